@@ -1,0 +1,27 @@
+"""keras.distribution on the PyTorch backend of Keras.
+
+`import keras_torch_distribution` (after or before `import keras`, with
+KERAS_BACKEND=torch) installs the torch distribution backend into Keras, so
+that DeviceMesh, TensorLayout, LayoutMap, DataParallel, ModelParallel,
+distribute_tensor, initialize and list_devices work as on JAX.
+"""
+
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution._keras_compat import SUPPORTED_KERAS_TEXT
+from keras_torch_distribution._keras_compat import install
+from keras_torch_distribution._keras_compat import is_installed
+from keras_torch_distribution._keras_compat import uninstall
+from keras_torch_distribution.report import report
+from keras_torch_distribution.runtime import initialize
+
+__version__ = "0.1.0"
+__all__ = [
+    "SUPPORTED_KERAS_TEXT",
+    "initialize",
+    "install",
+    "is_installed",
+    "report",
+    "uninstall",
+]
+
+install()

@@ -1,0 +1,125 @@
+"""Input sharding across data-parallel replicas, as Keras on JAX does it.
+
+`batch_size` in fit / evaluate / predict is the global batch. For inputs that
+Keras batches (numpy arrays, torch tensors, dicts and tuples of them,
+`keras.utils.PyDataset`), every process builds the same global batches (the
+same shuffle: every process shares one seed) and keeps its replica's rows:
+replica r of R gets rows [r*b, (r+1)*b) of each global batch of R*b rows; a
+last, partial batch is split as evenly as possible and its gradients and
+metrics are weighted by rows, so the numbers are those of one process.
+
+A torch `DataLoader` yields per-process batches: replica r takes batches
+r, r+R, r+2R, ... (a remainder of fewer than R batches is left out of each
+epoch, with a warning). A Python generator is used as given (shard it
+yourself). A batched `tf.data.Dataset` is taken as global batches, like arrays.
+With `auto_shard_dataset=False` every input is used as given.
+"""
+
+import keras
+
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import replicas
+from keras_torch_distribution import runtime
+from keras_torch_distribution.log import warn_once
+
+_batch_scale = [1.0]
+
+
+def batch_scale():
+    """How much this replica's last batch weighs against an even share:
+    rows here * replicas / rows in the global batch (1.0 for even batches)."""
+    return _batch_scale[0]
+
+
+def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
+                     steps_per_epoch=None, shuffle=False, class_weight=None):
+    """Keras' `get_data_adapter`, sharding its batches over replicas."""
+    arguments = dict(
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        steps_per_epoch=steps_per_epoch,
+        shuffle=shuffle,
+        class_weight=class_weight,
+    )
+    distribution = _keras_compat.current_distribution()
+    if (
+        distribution is None
+        or runtime.num_processes() == 1
+        or _keras_compat.is_data_adapter(x)
+    ):
+        return original(**arguments)
+    with _keras_compat.distribution_hidden():
+        adapter = original(**arguments)
+    group = replicas.current()
+    if not distribution.auto_shard_dataset or not group.is_distributed:
+        return adapter
+    if _keras_compat.is_torch_dataloader(x):
+        return _keras_compat.wrap_data_adapter(
+            adapter, lambda batches: _round_robin(batches, adapter, group),
+            num_batches=_round_robin_count(adapter, group),
+        )
+    if _keras_compat.is_generator(x):
+        return adapter
+    if batch_size is not None and batch_size % group.count:
+        raise ValueError(
+            f"batch_size={batch_size} is the global batch and must be "
+            f"divisible by the {group.count} data-parallel replicas; use a "
+            f"multiple of {group.count}, e.g. {batch_size - batch_size % group.count or group.count}."
+        )
+    return _keras_compat.wrap_data_adapter(
+        adapter, lambda batches: (_replica_rows(b, group) for b in batches),
+        num_batches=adapter.num_batches,
+    )
+
+
+def _replica_rows(batch, group):
+    leaves = [t for t in keras.tree.flatten(batch) if t is not None]
+    rows = int(leaves[0].shape[0])
+    base, extra = divmod(rows, group.count)
+    start = group.index * base + min(group.index, extra)
+    count = base + (1 if group.index < extra else 0)
+    if count == 0:
+        raise ValueError(
+            f"A batch of {rows} rows cannot feed {group.count} data-parallel "
+            "replicas (each needs at least one row). Make the number of "
+            "samples leave a last batch of at least that many rows, e.g. by "
+            "choosing another batch_size or dropping the remainder."
+        )
+    _batch_scale[0] = count * group.count / rows
+    return keras.tree.map_structure(
+        lambda t: None if t is None else t[start : start + count], batch
+    )
+
+
+def _round_robin_count(adapter, group):
+    total = adapter.num_batches
+    if total is None:
+        return None
+    if total % group.count:
+        warn_once(
+            ("dataloader-remainder", total, group.count),
+            "The DataLoader has %d batches, not a multiple of the %d "
+            "replicas: each epoch leaves the last %d out so that every "
+            "process runs the same number of steps.",
+            total,
+            group.count,
+            total % group.count,
+        )
+    return total // group.count
+
+
+def _round_robin(batches, adapter, group):
+    _batch_scale[0] = 1.0
+    limit = _round_robin_count(adapter, group)
+    for position, batch in enumerate(batches):
+        if limit is not None and position >= limit * group.count:
+            return
+        if position % group.count == group.index:
+            yield batch
+
+
+def reset_batch_scale():
+    _batch_scale[0] = 1.0
+

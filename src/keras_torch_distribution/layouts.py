@@ -1,0 +1,198 @@
+"""Keras `DeviceMesh` / `TensorLayout` onto torch `DeviceMesh` / DTensor placements.
+
+A Keras device is a string "cpu:R" or "gpu:R" where R is the global rank of
+the process that owns it (one device per process, as torchrun runs them).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras_torch_distribution import runtime
+
+_torch_meshes = {}
+
+
+def device_rank(device):
+    """Global rank of a Keras device string such as "gpu:3" (3)."""
+    text = str(device)
+    kind, _, index = text.partition(":")
+    if kind.lower() not in ("cpu", "gpu", "cuda") or not index.isdigit():
+        raise ValueError(
+            f"Device {text!r} is not a device of this package: expected "
+            "'cpu:R' or 'gpu:R' with R a process rank, as listed by "
+            "keras.distribution.list_devices()."
+        )
+    return int(index)
+
+
+def mesh_key(keras_mesh):
+    """The configuration that identifies a mesh: shape, axis names, ranks."""
+    devices = [str(d) for d in keras_mesh.devices.flatten()]
+    return (
+        tuple(int(s) for s in keras_mesh.shape),
+        tuple(keras_mesh.axis_names),
+        tuple(devices),
+    )
+
+
+def to_torch_mesh(keras_mesh):
+    """The torch DeviceMesh of a Keras DeviceMesh, built once per configuration.
+
+    Collective (the first time a configuration is seen): call on every rank.
+    """
+    key = mesh_key(keras_mesh)
+    mesh = _torch_meshes.get(key)
+    if mesh is not None:
+        return mesh
+    shape, axis_names, devices = key
+    world = runtime.ensure_initialized()
+    if len(devices) != world:
+        raise ValueError(
+            f"DeviceMesh shape={shape} has {len(devices)} devices, but "
+            f"{world} processes run. The mesh must cover every process, one "
+            "device per process: build it from "
+            "keras.distribution.list_devices() with a shape whose product is "
+            f"{world}."
+        )
+    ranks = [device_rank(d) for d in devices]
+    if sorted(ranks) != list(range(world)):
+        raise ValueError(
+            f"DeviceMesh devices {list(devices)} do not name each of the "
+            f"{world} processes once. Use keras.distribution.list_devices()."
+        )
+    if len(set(axis_names)) != len(axis_names):
+        raise ValueError(
+            f"DeviceMesh axis_names {list(axis_names)} repeat a name; each "
+            "mesh axis needs its own name."
+        )
+    kinds = {str(d).split(":")[0].lower() for d in devices}
+    device_type = "cuda" if kinds & {"gpu", "cuda"} else "cpu"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"DeviceMesh devices {list(devices)} are GPUs, but CUDA is not "
+            "available in this process. Use keras.distribution.list_devices('cpu')."
+        )
+    rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
+    mesh = TorchDeviceMesh(device_type, rank_grid, mesh_dim_names=axis_names)
+    _torch_meshes[key] = mesh
+    return mesh
+
+
+def clear_mesh_cache():
+    _torch_meshes.clear()
+
+
+def placements_for(axes, axis_names):
+    """DTensor placements (one per mesh axis) for a Keras layout's `axes`.
+
+    `axes[d]` names the mesh axis (or a tuple of axes, major first) that
+    shards tensor dim `d`, or None.
+    """
+    placements = [Replicate()] * len(axis_names)
+    used = {}
+    for dim, entry in enumerate(axes):
+        if entry is None:
+            continue
+        names = entry if isinstance(entry, (tuple, list)) else (entry,)
+        previous_index = -1
+        for name in names:
+            if name not in axis_names:
+                raise ValueError(
+                    f"Layout axes {tuple(axes)} name the mesh axis {name!r}, "
+                    f"which the mesh does not have; its axes are "
+                    f"{list(axis_names)}. Use one of those names or None."
+                )
+            if name in used:
+                raise ValueError(
+                    f"Layout axes {tuple(axes)} use the mesh axis {name!r} "
+                    f"for dims {used[name]} and {dim}; a mesh axis can shard "
+                    "only one tensor dim."
+                )
+            index = list(axis_names).index(name)
+            if index < previous_index:
+                raise ValueError(
+                    f"Layout axes {tuple(axes)} shard dim {dim} over {names}, "
+                    f"out of the mesh's axis order {list(axis_names)}; list "
+                    "them in mesh order."
+                )
+            previous_index = index
+            used[name] = dim
+            placements[index] = Shard(dim)
+    return tuple(placements)
+
+
+@dataclass(frozen=True)
+class TorchLayout:
+    """A Keras TensorLayout in torch terms: a mesh and one placement per axis."""
+
+    mesh: TorchDeviceMesh
+    placements: tuple
+    axes: tuple
+
+    @property
+    def is_sharded(self):
+        return any(isinstance(p, Shard) for p in self.placements)
+
+
+def to_torch_layout(keras_layout):
+    """Collective the first time its mesh is seen: call on every rank."""
+    if keras_layout.device_mesh is None:
+        raise ValueError(
+            f"TensorLayout axes={keras_layout.axes} has no device mesh. Give "
+            "it one (TensorLayout(axes, device_mesh)) or put it in a "
+            "LayoutMap, which sets the LayoutMap's mesh."
+        )
+    keras_mesh = keras_layout.device_mesh
+    placements = placements_for(keras_layout.axes, list(keras_mesh.axis_names))
+    return TorchLayout(
+        to_torch_mesh(keras_mesh), placements, tuple(keras_layout.axes)
+    )
+
+
+def check_rank(layout, shape, what):
+    if len(layout.axes) != len(shape):
+        raise ValueError(
+            f"Layout axes {layout.axes} have {len(layout.axes)} entries, but "
+            f"{what} has shape {tuple(shape)} (rank {len(shape)}). Give the "
+            "layout one entry (an axis name or None) per dim."
+        )
+
+
+def local_box(global_shape, mesh, placements):
+    """This rank's block of a tensor: one (start, stop) per dim.
+
+    Follows DTensor's `Shard` semantics (torch.chunk: ceil-sized pieces, the
+    last ones smaller or empty); mesh axes sharding the same dim nest in
+    mesh order.
+    """
+    box = [[0, int(n)] for n in global_shape]
+    coordinate = mesh.get_coordinate()
+    for axis, placement in enumerate(placements):
+        if not isinstance(placement, Shard):
+            continue
+        start, stop = box[placement.dim]
+        length = stop - start
+        pieces = mesh.size(axis)
+        chunk = math.ceil(length / pieces) if length else 0
+        lo = min(coordinate[axis] * chunk, length)
+        hi = min(lo + chunk, length)
+        box[placement.dim] = [start + lo, start + hi]
+    return tuple((lo, hi) for lo, hi in box)
+
+
+def box_slices(box):
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+def contiguous_stride(shape):
+    stride = []
+    step = 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(stride))

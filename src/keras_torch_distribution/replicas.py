@@ -1,0 +1,84 @@
+"""Data-parallel replicas of the current distribution.
+
+A replica is the group of processes that share one data shard (the same
+coordinate on the batch axis of the mesh). Replicas compute on their own
+rows with plain local tensors; their gradients and metric states meet in one
+all-reduce over the batch process group.
+
+A batch axis that also shards variables (Keras' ModelParallel on a 1-D
+"model" mesh uses its only axis for both) acts as a model axis: every
+process computes on the whole global batch and the variables sharded on it
+are tensor-parallel there, so there is one replica. The numbers are the same
+either way; this way no weight is gathered per step.
+"""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import layouts
+from keras_torch_distribution import runtime
+
+
+@dataclass(frozen=True)
+class Replicas:
+    count: int  # number of data-parallel replicas
+    index: int  # this process's replica (its data shard)
+    group: object  # process group over the batch axis (None when count == 1)
+
+    @property
+    def is_distributed(self):
+        return self.count > 1
+
+
+_SINGLE = Replicas(1, 0, None)
+_cache = {}
+
+
+def current():
+    """The replicas of the current distribution (one when there is none)."""
+    distribution = _keras_compat.current_distribution()
+    if distribution is None or runtime.num_processes() == 1:
+        return _SINGLE
+    key = (layouts.mesh_key(distribution.device_mesh), distribution.batch_dim_name)
+    replicas = _cache.get(key)
+    if replicas is None:
+        replicas = _build(distribution)
+        _cache[key] = replicas
+    return replicas
+
+
+def _build(distribution):
+    keras_mesh = distribution.device_mesh
+    axis_names = list(keras_mesh.axis_names)
+    batch_axis = distribution.batch_dim_name
+    if batch_axis not in axis_names:
+        raise ValueError(
+            f"batch_dim_name={batch_axis!r} is not an axis of the mesh "
+            f"{axis_names}. Name one of the mesh axes."
+        )
+    index = axis_names.index(batch_axis)
+    count = int(keras_mesh.shape[index])
+    if count == 1 or batch_axis in _axes_sharding_variables(distribution):
+        return Replicas(1, 0, None)
+    torch_mesh = layouts.to_torch_mesh(keras_mesh)
+    coordinate = torch_mesh.get_coordinate()[index]
+    if count == dist.get_world_size():
+        group = dist.group.WORLD
+    else:
+        group = torch_mesh.get_group(batch_axis)
+    return Replicas(count, int(coordinate), group)
+
+
+def _axes_sharding_variables(distribution):
+    names = set()
+    for layout in _keras_compat.layout_map_layouts(distribution):
+        for entry in layout.axes:
+            names.update(entry if isinstance(entry, (tuple, list)) else (entry,))
+    names.discard(None)
+    return names
+
+
+def clear_cache():
+    _cache.clear()

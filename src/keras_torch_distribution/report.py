@@ -1,0 +1,75 @@
+"""Shard report: where every variable lives and what each rank holds."""
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import runtime
+from keras_torch_distribution.log import logger
+
+
+def _rows_for(variable):
+    value = _keras_compat.raw_value(variable)
+    local = value.to_local() if isinstance(value, DTensor) else value
+    layout = getattr(variable, "_ktd_layout", None)
+    axes = tuple(layout.axes) if layout is not None else "replicated"
+    return {
+        "path": variable.path,
+        "shape": tuple(variable.shape),
+        "layout": axes,
+        "local_shape": tuple(local.shape),
+        "bytes": local.numel() * local.element_size(),
+    }
+
+
+def shard_table(model):
+    """Per-variable rows for this rank: path, global shape, layout, local
+    shape and bytes; optimizer variables are included when built."""
+    rows = [dict(_rows_for(v), kind="param") for v in model.variables]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        rows += [dict(_rows_for(v), kind="optimizer") for v in optimizer.variables]
+    return rows
+
+
+def report(model, print_fn=None):
+    """Show each variable's layout and per-rank bytes; rank 0 prints.
+
+    Returns every rank's table: a list (one per rank) of row lists.
+    Collective: call on every rank.
+    """
+    rows = shard_table(model)
+    tables = [rows]
+    if runtime.is_initialized() and dist.get_world_size() > 1:
+        tables = [None] * dist.get_world_size()
+        dist.all_gather_object(tables, rows)
+    if runtime.process_id() == 0:
+        (print_fn or logger.warning)(format_report(tables))
+    return tables
+
+
+def format_report(tables):
+    ranks = len(tables)
+    header = f"{'variable':40} {'global shape':>16} {'layout':>18} " + " ".join(
+        f"{'rank ' + str(r) + ' shape':>16}" for r in range(ranks)
+    )
+    lines = [header, "-" * len(header)]
+    for index, row in enumerate(tables[0]):
+        shapes = " ".join(
+            f"{str(tables[r][index]['local_shape']):>16}" for r in range(ranks)
+        )
+        lines.append(
+            f"{row['path'][:40]:40} {str(row['shape']):>16} "
+            f"{str(row['layout'])[:18]:>18} {shapes}"
+        )
+    for kind in ("param", "optimizer"):
+        totals = [
+            sum(r["bytes"] for r in tables[rank] if r["kind"] == kind)
+            for rank in range(ranks)
+        ]
+        if any(totals):
+            lines.append(
+                f"{kind + ' bytes per rank':40} "
+                + " ".join(f"rank {r}: {t:,}" for r, t in enumerate(totals))
+            )
+    return "\n".join(lines)

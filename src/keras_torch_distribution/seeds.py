@@ -1,0 +1,34 @@
+"""Every process agrees on seeds."""
+
+import random
+
+import torch
+import torch.distributed as dist
+
+from keras_torch_distribution import _keras_compat
+
+
+def initialize_rng():
+    """Make every process use one global seed.
+
+    When `keras.utils.set_random_seed` was not called, rank 0 draws a seed and
+    broadcasts it, so unseeded initializers (whose default seeds come from
+    Python's `random`) give the same values on every rank. Collective: call on
+    every rank.
+    """
+    seed = _keras_compat.get_random_seed()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        proposal = seed if seed is not None else random.randint(1, 2**31 - 1)
+        box = [proposal]
+        dist.broadcast_object_list(box, src=0)
+        if seed is not None and box[0] != seed:
+            raise ValueError(
+                f"keras.utils.set_random_seed({seed}) on rank "
+                f"{dist.get_rank()} but rank 0 set {box[0]}. Set the same "
+                "seed on every process."
+            )
+        seed = box[0]
+    elif seed is None:
+        return
+    _keras_compat.set_random_seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,130 @@
+"""Initialize only this rank's block of a variable ("stream and slice").
+
+For Keras' random initializers, the generator Keras would create for the
+initializer's seed draws the variable's whole random stream in row-aligned
+chunks; each rank keeps the rows and columns of its block and drops the
+rest. The result is bit for bit the value a one-process Keras run gives,
+whatever the mesh, at a peak of the local block plus one chunk
+(`CHUNK_DRAWS` random numbers, 16 MiB in float32).
+
+Constant initializers and Identity build the block directly. Any other
+initializer (Orthogonal, user-defined ones) is computed in full on every rank
+and sliced: a transient cost of one whole variable, with a warning naming it.
+"""
+
+import math
+
+import torch
+
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import layouts
+from keras_torch_distribution.log import warn_once
+
+CHUNK_DRAWS = 1 << 22
+# CPU `normal_` draws in blocks of 16 values (with a redrawn tail); chunks are
+# multiples of it so that a chunked stream equals the one-call stream.
+_NORMAL_BLOCK = 16
+
+
+def init_block(initializer, shape, dtype, box, path):
+    """This rank's block `box` of `initializer(shape, dtype)`, as a tensor."""
+    torch_dtype = _keras_compat.to_torch_dtype(dtype)
+    device = _keras_compat.torch_device()
+    local_shape = tuple(hi - lo for lo, hi in box)
+    kind = _keras_compat.initializer_kind(initializer)
+    if kind in ("zeros", "ones", "constant"):
+        value = initializer(local_shape, dtype=dtype)
+        return torch.as_tensor(value, dtype=torch_dtype).to(device)
+    if kind == "identity" and len(shape) == 2:
+        rows = torch.arange(box[0][0], box[0][1]).unsqueeze(1)
+        cols = torch.arange(box[1][0], box[1][1]).unsqueeze(0)
+        eye = (rows == cols).to(torch_dtype) * initializer.gain
+        return eye.to(device)
+    call = _keras_compat.record_random_initializer(initializer, shape, dtype)
+    if call is not None:
+        return _stream_block(call, shape, torch_dtype, box).to(device)
+    warn_once(
+        ("full-init", path),
+        "Variable %r (shape %s, %s bytes) uses %s, which cannot be initialized "
+        "shard by shard: every rank computes it whole once, then keeps its "
+        "shard.",
+        path,
+        tuple(shape),
+        f"{math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size():,}",
+        type(initializer).__name__,
+    )
+    full = torch.as_tensor(initializer(shape, dtype=dtype))
+    return full[layouts.box_slices(box)].to(torch_dtype).to(device).contiguous()
+
+
+def _row_groups(rows, draws_per_row, max_draws):
+    """Split `rows` into consecutive groups whose draw counts are multiples of
+    the normal block, except the last, which holds the stream's tail (and at
+    least one block, when the stream has one)."""
+    step = _NORMAL_BLOCK // math.gcd(draws_per_row, _NORMAL_BLOCK)
+    per_group = max(step, (max_draws // max(draws_per_row, 1)) // step * step)
+    groups = []
+    start = 0
+    while start < rows:
+        stop = min(start + per_group, rows)
+        groups.append([start, stop])
+        start = stop
+    if len(groups) > 1:
+        tail_draws = (groups[-1][1] - groups[-1][0]) * draws_per_row
+        if tail_draws < _NORMAL_BLOCK or tail_draws % _NORMAL_BLOCK:
+            last = groups.pop()
+            groups[-1][1] = last[1]
+    return groups
+
+
+def _stream_block(call, shape, torch_dtype, box, max_draws=None):
+    """Draw `call`'s stream for rows up to the block's end; keep the block."""
+    max_draws = max_draws or CHUNK_DRAWS
+    generator = _keras_compat.keras_generator_for_seed(call.seed)
+    if generator.device.type != "cpu":
+        # Blocks are drawn on the CPU: its stream can be cut into chunks.
+        seed = generator.initial_seed()
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+    draws_per_value = 4 if call.kind == "truncated_normal" else 1
+    shape = tuple(int(n) for n in shape)
+    if len(shape) == 0:
+        raise ValueError("scalar variables are never sharded")
+    row_shape = shape[1:]
+    draws_per_row = math.prod(row_shape) * draws_per_value
+    (row_lo, row_hi), inner = box[0], layouts.box_slices(box[1:])
+    pieces = []
+    for start, stop in _row_groups(shape[0], draws_per_row, max_draws):
+        if start >= row_hi:
+            break
+        chunk = _draw(call, (stop - start,) + row_shape, torch_dtype, generator)
+        lo, hi = max(start, row_lo), min(stop, row_hi)
+        if lo < hi:
+            pieces.append(chunk[lo - start : hi - start][(slice(None),) + inner])
+    if not pieces:
+        local_shape = tuple(hi - lo for lo, hi in box)
+        return torch.empty(local_shape, dtype=torch_dtype)
+    return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def _draw(call, shape, torch_dtype, generator):
+    """The next values of the stream, computed as Keras' torch backend does."""
+    if call.kind == "normal":
+        mean, stddev = call.params
+        return torch.normal(
+            mean, stddev, size=shape, generator=generator, dtype=torch_dtype
+        )
+    if call.kind == "uniform":
+        minval, maxval = call.params
+        values = torch.rand(size=shape, generator=generator, dtype=torch_dtype)
+        return (maxval - minval) * values + minval
+    if call.kind == "truncated_normal":
+        mean, stddev = call.params
+        x = torch.normal(
+            0.0, 1.0, size=shape + (4,), generator=generator, dtype=torch_dtype
+        )
+        valid = (x > -2) & (x < 2)
+        indexes = valid.max(-1, keepdim=True)[1]
+        values = x.gather(-1, indexes).squeeze(-1)
+        return values.mul_(stddev).add_(mean)
+    raise ValueError(f"unknown random call {call.kind!r}")

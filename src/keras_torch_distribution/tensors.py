@@ -1,0 +1,77 @@
+"""Moving values between plain tensors and DTensors of a layout."""
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import layouts
+
+
+def as_torch(value, dtype=None):
+    """A torch tensor (or DTensor) on this process's Keras device."""
+    if isinstance(value, DTensor):
+        return value if dtype is None else value.to(dtype)
+    if isinstance(value, torch.Tensor):
+        value = value.to(_keras_compat.torch_device())
+        return value if dtype is None else value.to(dtype)
+    if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(
+        value, (list, tuple)
+    ):
+        array = np.asarray(value)
+        return torch.as_tensor(array, dtype=dtype, device=_keras_compat.torch_device())
+    if hasattr(value, "__array__"):
+        return as_torch(np.asarray(value), dtype)
+    raise TypeError(
+        f"Cannot turn a {type(value).__name__} into a torch tensor; pass a "
+        "numpy array, a torch tensor or a Keras variable."
+    )
+
+
+def local_block(full, torch_layout):
+    """This rank's block of a full value, as a contiguous plain tensor."""
+    box = layouts.local_box(full.shape, torch_layout.mesh, torch_layout.placements)
+    return full[layouts.box_slices(box)].contiguous()
+
+
+def from_local_block(block, torch_layout, global_shape):
+    return DTensor.from_local(
+        block,
+        torch_layout.mesh,
+        torch_layout.placements,
+        run_check=False,
+        shape=torch.Size(global_shape),
+        stride=layouts.contiguous_stride(global_shape),
+    )
+
+
+def to_layout(value, torch_layout):
+    """`value` as a DTensor of `torch_layout`.
+
+    Collective when `value` is a DTensor of another layout: call on every rank.
+    """
+    layouts.check_rank(torch_layout, tuple(value.shape), "the tensor")
+    if isinstance(value, DTensor):
+        if value.device_mesh == torch_layout.mesh:
+            if tuple(value.placements) == tuple(torch_layout.placements):
+                return value
+            return value.redistribute(torch_layout.mesh, torch_layout.placements)
+        return to_layout(full_value(value), torch_layout)
+    value = as_torch(value)
+    return from_local_block(
+        local_block(value, torch_layout), torch_layout, tuple(value.shape)
+    )
+
+
+def full_value(value):
+    """The whole value of a tensor; DTensors are gathered (differentiable).
+
+    Collective for DTensors: call on every rank.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return value.to_local()
+    replicated = [Replicate()] * value.device_mesh.ndim
+    return value.redistribute(value.device_mesh, replicated).to_local()

@@ -1,0 +1,191 @@
+"""Run functions on N local processes (gloo, CPU) for tests.
+
+    with ProcessGroupPool(2) as pool:
+        results = pool.run(my_module_level_function, arg1, arg2)
+
+Each worker process starts once (importing torch and Keras costs seconds),
+joins a file-based rendezvous (no fixed ports) and then runs any number of
+module-level functions; `run` returns each rank's result, in rank order. A
+rank that raises makes `run` raise `WorkerError` with that rank's traceback;
+ranks that do not answer within `timeout` seconds are killed and
+`TimeoutError` names them. The calling process gets no process group and no
+environment variable from the workers.
+"""
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+import traceback
+
+WORKER_ENV = {
+    "KERAS_BACKEND": "torch",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "KTD_DEVICE": "cpu",
+    "CUDA_VISIBLE_DEVICES": "",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+class WorkerError(RuntimeError):
+    """A function raised on one of the worker ranks."""
+
+    def __init__(self, rank, remote_traceback):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} raised:\n{remote_traceback}")
+
+
+@contextlib.contextmanager
+def _environment(values):
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _worker(rank, world_size, rendezvous, initialize, connection):
+    """Worker loop: initialize, then run each function received."""
+    import keras
+
+    import keras_torch_distribution  # noqa: F401
+
+    try:
+        if initialize:
+            keras.distribution.initialize(
+                job_addresses=f"file://{rendezvous}",
+                num_processes=world_size,
+                process_id=rank,
+            )
+        connection.send(("ready", None))
+    except BaseException:  # reported to the parent, which raises it
+        connection.send(("error", traceback.format_exc()))
+        return
+    while True:
+        message = connection.recv()
+        if message is None:
+            break
+        function, args, kwargs = message
+        keras.distribution.set_distribution(None)
+        keras.backend.clear_session()
+        try:
+            result = function(*args, **kwargs)
+        except BaseException:  # reported to the parent, which raises it
+            connection.send(("error", traceback.format_exc()))
+            continue
+        connection.send(("ok", result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ProcessGroupPool:
+    """N worker processes that form one torch.distributed world."""
+
+    def __init__(self, world_size=2, timeout=120.0, initialize=True, env=None):
+        self.world_size = world_size
+        self.timeout = timeout
+        self._directory = tempfile.mkdtemp(prefix="ktd-pool-")
+        self._processes = []
+        self._connections = []
+        self.env = dict(WORKER_ENV, **(env or {}))
+        context = multiprocessing.get_context("spawn")
+        rendezvous = os.path.join(self._directory, "rendezvous")
+        with _environment(self.env):
+            for rank in range(world_size):
+                parent_end, child_end = context.Pipe()
+                process = context.Process(
+                    target=_worker,
+                    args=(rank, world_size, rendezvous, initialize, child_end),
+                    daemon=True,
+                )
+                process.start()
+                child_end.close()
+                self._processes.append(process)
+                self._connections.append(parent_end)
+        self._collect(self.timeout + 60.0)
+
+    @property
+    def alive(self):
+        return bool(self._processes) and all(p.is_alive() for p in self._processes)
+
+    def run(self, function, *args, timeout=None, **kwargs):
+        """`function(*args, **kwargs)` on every rank; results in rank order."""
+        if not self.alive:
+            raise RuntimeError("the process pool was closed after a failure")
+        for connection in self._connections:
+            connection.send((function, args, kwargs))
+        return self._collect(timeout or self.timeout)
+
+    def _collect(self, timeout):
+        deadline = time.monotonic() + timeout
+        results = [None] * self.world_size
+        pending = set(range(self.world_size))
+        while pending:
+            for rank in sorted(pending):
+                connection = self._connections[rank]
+                if not connection.poll(0.05):
+                    if not self._processes[rank].is_alive():
+                        self.close(kill=True)
+                        raise WorkerError(
+                            rank,
+                            f"process exited with code {self._processes[rank].exitcode}",
+                        )
+                    continue
+                status, value = connection.recv()
+                if status == "error":
+                    self.close(kill=True)
+                    raise WorkerError(rank, value)
+                results[rank] = value
+                pending.discard(rank)
+            if pending and time.monotonic() > deadline:
+                self.close(kill=True)
+                raise TimeoutError(
+                    f"ranks {sorted(pending)} did not answer within {timeout:.0f} s"
+                )
+        return results
+
+    def close(self, kill=False):
+        """Stop the workers (killing any that hang) and remove the files."""
+        for connection, process in zip(self._connections, self._processes):
+            if kill and process.is_alive():
+                process.kill()
+            elif process.is_alive():
+                try:
+                    connection.send(None)
+                except (BrokenPipeError, OSError):
+                    process.kill()
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+        for connection in self._connections:
+            connection.close()
+        self._processes, self._connections = [], []
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+def run(function, *args, world_size=2, timeout=120.0, **kwargs):
+    """Run `function` once on `world_size` fresh processes."""
+    with ProcessGroupPool(world_size, timeout=timeout) as pool:
+        return pool.run(function, *args, **kwargs)

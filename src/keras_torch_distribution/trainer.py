@@ -1,0 +1,172 @@
+"""Keras training on N processes: the model boundary, gradient sync, metrics.
+
+Replaces, through the seam, `Model.__call__` (outermost calls return plain
+tensors), `Optimizer.apply` (gradients are aligned to their variables and
+averaged over data-parallel replicas), `Model.get_metrics_result` (metric
+states are summed over replicas before results are computed), and the
+predict function (predictions of every replica are gathered in order).
+"""
+
+import keras
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import data
+from keras_torch_distribution import gradients
+from keras_torch_distribution import replicas
+from keras_torch_distribution import runtime
+from keras_torch_distribution import tensors
+
+_apply_depth = [0]
+
+
+def _plain(value):
+    return tensors.full_value(value) if isinstance(value, DTensor) else value
+
+
+def model_call(original, model, *args, **kwargs):
+    """An outermost model call returns plain tensors (the model replica's
+    whole outputs), so losses, metrics and user code never meet DTensors."""
+    outermost = _keras_compat.in_outer_call()
+    outputs = original(model, *args, **kwargs)
+    if outermost:
+        outputs = keras.tree.map_structure(_plain, outputs)
+    return outputs
+
+
+def optimizer_apply(original, optimizer, grads, trainable_variables=None):
+    """Align each gradient to its variable's layout and average gradients
+    over data-parallel replicas, then apply. Collective: call on every rank."""
+    if _apply_depth[0] or len(grads) == 0:
+        return original(optimizer, grads, trainable_variables)
+    variables = trainable_variables
+    if variables is None:
+        variables = _keras_compat.optimizer_variables(optimizer)
+    grads = [
+        gradients.align(g, _keras_compat.raw_value(v))
+        for g, v in zip(grads, variables)
+    ]
+    group = replicas.current()
+    if group.is_distributed:
+        _synchronize(optimizer, grads, variables, group)
+    _apply_depth[0] += 1
+    try:
+        return original(optimizer, grads, trainable_variables)
+    finally:
+        _apply_depth[0] -= 1
+
+
+def _synchronize(optimizer, grads, variables, group):
+    local = [gradients.local_part(g) for g in grads if g is not None]
+    scale = data.batch_scale()
+    steps = optimizer.gradient_accumulation_steps
+    if steps:
+        # Accumulate local gradients; average once per real step, together
+        # with what was accumulated.
+        if scale != 1.0:
+            for t in local:
+                t.mul_(scale)
+        iteration = int(_keras_compat.convert_to_numpy(optimizer.iterations.value))
+        if (iteration + 1) % steps:
+            return
+        accumulators = _keras_compat.gradient_accumulators(optimizer, variables)
+        local += [gradients.local_part(_keras_compat.raw_value(a)) for a in accumulators]
+        scale = 1.0
+    gradients.all_reduce_mean(local, group.group, group.count, scale)
+
+
+def metrics_result(original, model):
+    """Metric results computed from states summed over replicas, identical
+    on every rank. Collective: call on every rank."""
+    group = replicas.current()
+    if not group.is_distributed:
+        return original(model)
+    metrics = list(model.metrics)
+    states = [v for m in metrics for v in m.variables]
+    reduced = _reduce_states(states, group)
+    results = {}
+    start = 0
+    for metric in metrics:
+        count = len(metric.variables)
+        result = metric.stateless_result(reduced[start : start + count])
+        start += count
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    return results
+
+
+def _reduce_states(states, group):
+    values = [_plain(v.value).detach() for v in states]
+    if not values:
+        return []
+    flat = torch.cat([v.reshape(-1).to(torch.float64) for v in values])
+    weights = torch.cat(
+        [
+            torch.full((v.numel(),), _state_weight(s, group), dtype=torch.float64)
+            for v, s in zip(values, states)
+        ]
+    ).to(flat.device)
+    flat.mul_(weights)
+    dist.all_reduce(flat, group=group.group)
+    reduced, offset = [], 0
+    for v in values:
+        n = v.numel()
+        reduced.append(flat[offset : offset + n].view(v.shape).to(v.dtype))
+        offset += n
+    return reduced
+
+
+def _state_weight(variable, group):
+    aggregation = variable.aggregation
+    if aggregation == "mean":
+        return 1.0 / group.count
+    if aggregation == "only_first_replica":
+        return 1.0 if group.index == 0 else 0.0
+    return 1.0  # "sum" (Keras metrics' default) and "none"
+
+
+def make_predict_function(original, model, force=False):
+    """The predict function returns the predictions of every replica, in
+    input order. Collective per batch: call on every rank."""
+    result = original(model, force)
+    function = model.predict_function
+    if getattr(function, "_ktd_gathers", False):
+        return result
+
+    def predict_on_every_replica(data_batch):
+        outputs = function(data_batch)
+        group = replicas.current()
+        if not group.is_distributed:
+            return outputs
+        return keras.tree.map_structure(
+            lambda t: _gather_rows(t, group), outputs
+        )
+
+    predict_on_every_replica._ktd_gathers = True
+    model.predict_function = predict_on_every_replica
+    return result
+
+
+def _gather_rows(tensor, group):
+    tensor = _plain(tensor).detach().contiguous()
+    sizes = [None] * group.count
+    dist.all_gather_object(sizes, int(tensor.shape[0]), group=group.group)
+    largest = max(sizes)
+    padded = torch.zeros(
+        (largest,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+    padded[: tensor.shape[0]] = tensor
+    pieces = [torch.empty_like(padded) for _ in range(group.count)]
+    dist.all_gather(pieces, padded, group=group.group)
+    return torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0)
+
+
+def quiet_on_other_ranks(original, model, *args, **kwargs):
+    """fit / evaluate / predict print progress on rank 0 only."""
+    if runtime.process_id() != 0:
+        kwargs["verbose"] = 0
+    return original(model, *args, **kwargs)

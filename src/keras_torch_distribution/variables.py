@@ -1,0 +1,155 @@
+"""Born-sharded Keras variables on the torch backend.
+
+A variable whose layout shards at least one dim holds a `torch.nn.Parameter`
+wrapping a DTensor on its layout's mesh; each rank allocates and initializes
+only its own block (see `sharded_init`). A variable whose layout shards
+nothing (every variable under DataParallel, replicated ones under
+ModelParallel, scalars) stays a plain tensor: plain tensors meet DTensors as
+replicated values (torch's implicit replication), and the trainer turns
+their gradients back into plain tensors.
+
+Only float and complex variables that are trainable require grad.
+"""
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import layouts
+from keras_torch_distribution import sharded_init
+from keras_torch_distribution import tensors
+
+_implicit_replication = []
+
+
+def enable_implicit_replication():
+    """Let plain tensors meet DTensors as replicated values, process-wide."""
+    if not _implicit_replication:
+        context = implicit_replication()
+        context.__enter__()
+        _implicit_replication.append(context)
+
+
+def disable_implicit_replication():
+    while _implicit_replication:
+        _implicit_replication.pop().__exit__(None, None, None)
+
+
+def sharded_layout(variable):
+    """The TorchLayout of a variable whose layout shards it, else None.
+
+    Resolves the layout from the current distribution the first time, as
+    Keras does on JAX. Collective the first time a mesh is seen.
+    """
+    cached = getattr(variable, "_ktd_layout", False)
+    if cached is not False:
+        return cached
+    layout = variable._layout
+    if layout is None:
+        distribution = _keras_compat.current_distribution()
+        if distribution is not None:
+            layout = distribution.get_variable_layout(variable)
+            variable._layout = layout
+    torch_layout = None
+    if isinstance(layout, layouts.TorchLayout):
+        torch_layout = layout
+    elif layout is not None:
+        layouts.check_rank(layout, variable.shape, f"variable {variable.path!r}")
+        if any(axis is not None for axis in layout.axes):
+            torch_layout = layout.backend_layout
+    if torch_layout is not None:
+        layouts.check_rank(torch_layout, variable.shape, f"variable {variable.path!r}")
+        if not torch_layout.is_sharded:
+            torch_layout = None
+    variable._ktd_layout = torch_layout
+    return torch_layout
+
+
+def _requires_grad(variable, tensor):
+    return bool(variable.trainable) and (
+        tensor.is_floating_point() or tensor.is_complex()
+    )
+
+
+def _set_value(variable, tensor):
+    variable._value = torch.nn.Parameter(
+        tensor, requires_grad=_requires_grad(variable, tensor)
+    )
+
+
+def initialize(original, variable, value):
+    """Keras `Variable._initialize(value)`: shard a full initial value."""
+    if isinstance(value, torch.nn.Parameter):
+        variable._value = value
+        return
+    variable._shape = variable._validate_shape(tuple(value.shape))
+    torch_layout = sharded_layout(variable)
+    dtype = _keras_compat.to_torch_dtype(variable._dtype)
+    if torch_layout is None:
+        tensor = tensors.full_value(tensors.as_torch(value, dtype))
+        _set_value(variable, tensor.detach())
+        return
+    _set_value(variable, tensors.to_layout(tensors.as_torch(value, dtype), torch_layout))
+
+
+def initialize_with_initializer(original, variable, initializer):
+    """Keras `Variable._initialize_with_initializer`: born sharded."""
+    torch_layout = sharded_layout(variable)
+    if torch_layout is None:
+        return original(variable, initializer)
+    shape = tuple(variable._shape)
+    box = layouts.local_box(shape, torch_layout.mesh, torch_layout.placements)
+    block = sharded_init.init_block(
+        initializer, shape, variable._dtype, box, variable.path
+    )
+    _set_value(variable, tensors.from_local_block(block, torch_layout, shape))
+
+
+def direct_assign(original, variable, value):
+    """Keras `Variable._direct_assign`: reshard the new value into place."""
+    current = variable._value
+    if isinstance(current, DTensor):
+        torch_layout = sharded_layout(variable)
+        new = tensors.to_layout(value, torch_layout)
+        with torch.no_grad():
+            current.to_local().copy_(new.to_local())
+        return
+    original(variable, tensors.full_value(value))
+
+
+def to_numpy(original, variable, dtype=None):
+    """Keras `Variable.__array__`: the global value, on every rank.
+
+    Collective for sharded variables: call on every rank.
+    """
+    if not isinstance(variable._value, DTensor):
+        return original(variable, dtype)
+    full = tensors.full_value(variable._value.detach())
+    value = _keras_compat.convert_to_numpy(full)
+    return value.astype(dtype) if dtype else value
+
+
+def describe(original, variable):
+    """Keras `Variable.__repr__`, which never runs a collective."""
+    value = getattr(variable, "_value", None)
+    if not isinstance(value, DTensor):
+        return original(variable)
+    return (
+        f"<Variable path={variable.path}, shape={variable.shape}, "
+        f"dtype={variable.dtype}, layout={tuple(variable._ktd_layout.axes)}, "
+        f"local_shape={tuple(value.to_local().shape)}>"
+    )
+
+
+def local_bytes(variable):
+    """Bytes this rank holds for a variable."""
+    value = variable._value
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return local.numel() * local.element_size()
+
+
+def gather_numpy(variable):
+    """The global value of a variable as numpy. Collective: call on every rank."""
+    return np.asarray(variable)
