@@ -6,7 +6,14 @@ that DeviceMesh, TensorLayout, LayoutMap, DataParallel, ModelParallel,
 distribute_tensor, initialize and list_devices work as on JAX.
 """
 
-from keras_torch_distribution import _keras_compat
+import os
+
+# Imported before Keras, this package makes Keras pick the torch backend
+# (unless KERAS_BACKEND says otherwise, which `install()` then reports).
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+from keras_torch_distribution import _keras_compat  # noqa: E402,F401
+from keras_torch_distribution import runtime  # noqa: E402,F401
 from keras_torch_distribution._keras_compat import SUPPORTED_KERAS_TEXT
 from keras_torch_distribution._keras_compat import install
 from keras_torch_distribution._keras_compat import is_installed

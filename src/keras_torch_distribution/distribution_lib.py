@@ -1,7 +1,8 @@
 """The backend module that `keras.distribution` calls on the torch backend.
 
-Installed as `keras.src.backend.distribution_lib` (and as the name Keras'
-front end bound at import) by `keras_torch_distribution.install()`.
+Installed as Keras' backend `distribution_lib` module (and as the name Keras'
+front end bound at import) by `keras_torch_distribution.install()`; see
+`_keras_compat`, the only module that touches Keras internals.
 """
 
 import torch

@@ -6,6 +6,7 @@ Environment variables read here:
   peer before failing (default 300).
 """
 
+import atexit
 import datetime
 import os
 
@@ -151,9 +152,16 @@ def _check_matches_running(num_processes, process_id):
         )
 
 
+def _shutdown():
+    """Leave the process group cleanly at exit (gloo aborts otherwise)."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
 def _init_process_group(**kwargs):
     try:
         dist.init_process_group(backend=_backend(), **kwargs)
+        atexit.register(_shutdown)
     except (RuntimeError, ValueError, TimeoutError) as error:
         raise RuntimeError(
             f"torch.distributed could not start ({error}). Check that every "

@@ -1,0 +1,5 @@
+import sys
+
+from keras_torch_distribution.cli import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`."""
+
+import os
+import platform
+import sys
+
+USAGE = """usage:
+  ktd run -n N [torchrun options] SCRIPT [ARGS]   run SCRIPT on N processes
+  ktd env                                         versions, devices, settings
+"""
+
+
+def print_env():
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    import keras
+    import torch
+
+    import keras_torch_distribution
+
+    lines = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "keras": keras.__version__,
+        "keras_torch_distribution": keras_torch_distribution.__version__,
+        "supported keras": keras_torch_distribution.SUPPORTED_KERAS_TEXT,
+        "cuda available": torch.cuda.is_available(),
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "gpu count": torch.cuda.device_count(),
+        "gloo available": torch.distributed.is_gloo_available(),
+    }
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "KERAS_BACKEND", "KTD_TIMEOUT_SECONDS", "KTD_DEVICE", "OMP_NUM_THREADS"):
+        lines[key] = os.environ.get(key)
+    for key, value in lines.items():
+        print(f"{key:26} {value}")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from keras_torch_distribution import launch
+
+        launch.run(rest)
+        return 0
+    if command == "env":
+        print_env()
+        return 0
+    print(f"ktd: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
