@@ -98,6 +98,11 @@ def optimizer_variables(optimizer):
     return optimizer._trainable_variables
 
 
+def apply_count(optimizer):
+    """How many times `apply` ran (micro-steps, under gradient accumulation)."""
+    return int(optimizer._iterations)
+
+
 def gradient_accumulators(optimizer, variables):
     """The gradient accumulator variable of each of `variables`."""
     return [

@@ -23,7 +23,7 @@ from keras_torch_distribution.log import warn_once
 CHUNK_DRAWS = 1 << 22
 # CPU `normal_` draws in blocks of 16 values (with a redrawn tail); chunks are
 # multiples of it so that a chunked stream equals the one-call stream.
-_NORMAL_BLOCK = 1
+_NORMAL_BLOCK = 16
 
 
 def init_block(initializer, shape, dtype, box, path):

@@ -68,7 +68,7 @@ def _synchronize(optimizer, grads, variables, group):
         if scale != 1.0:
             for t in local:
                 t.mul_(scale)
-        iteration = int(_keras_compat.convert_to_numpy(optimizer.iterations.value))
+        iteration = _keras_compat.apply_count(optimizer)
         if (iteration + 1) % steps:
             return
         accumulators = _keras_compat.gradient_accumulators(optimizer, variables)

@@ -1,0 +1,453 @@
+"""Single-process tests of the foundation: install, the Keras seam, devices,
+layout translation and the public `keras.distribution` objects.
+
+These run in the pytest process (KERAS_BACKEND=torch, set by conftest) and
+start no process group, except `one_process_world`, which removes its own.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+import keras_torch_distribution
+from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import distribution_lib
+from keras_torch_distribution import layouts
+from keras_torch_distribution import runtime
+
+PACKAGE_DIR = os.path.dirname(keras_torch_distribution.__file__)
+
+
+def _keras_backend_distribution_lib():
+    from keras.src import backend as keras_backend  # the seam test allows tests
+
+    return keras_backend.distribution_lib
+
+
+def _keras_front_end_distribution_lib():
+    from keras.src.distribution import distribution_lib as front_end
+
+    return front_end.distribution_lib
+
+
+@pytest.fixture
+def reinstall():
+    """Leave Keras with the package installed, whatever the test did."""
+    yield
+    keras_torch_distribution.install()
+    assert keras_torch_distribution.is_installed()
+
+
+@pytest.fixture
+def one_process_world():
+    """A world of one process for the test; removed (with its meshes) after."""
+    if dist.is_initialized():
+        pytest.skip("another test left a process group in the pytest process")
+    layouts.clear_mesh_cache()
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        layouts.clear_mesh_cache()
+
+
+# ---------------------------------------------------------------------------
+# install / uninstall
+# ---------------------------------------------------------------------------
+
+
+def test_import_installs():
+    assert keras_torch_distribution.is_installed()
+    assert _keras_backend_distribution_lib() is distribution_lib
+    assert _keras_front_end_distribution_lib() is distribution_lib
+
+
+def test_install_twice_is_harmless(reinstall):
+    before = keras.Model.__call__
+    keras_torch_distribution.install()
+    keras_torch_distribution.install()
+    assert keras_torch_distribution.is_installed()
+    # A second install must not wrap the wrappers.
+    assert keras.Model.__call__ is before
+    assert _keras_backend_distribution_lib() is distribution_lib
+
+
+def test_uninstall_restores_keras_and_reinstall_works(reinstall):
+    patched_call = keras.Model.__call__
+    keras_torch_distribution.uninstall()
+    assert not keras_torch_distribution.is_installed()
+    assert _keras_backend_distribution_lib() is None
+    assert _keras_front_end_distribution_lib() is None
+    assert keras.Model.__call__ is not patched_call
+    # Model inherits __call__ from Layer; uninstall removes the override.
+    assert "__call__" not in keras.Model.__dict__
+    assert keras.Model.__call__ is keras.layers.Layer.__call__
+    # The released torch backend has no distribution support.
+    with pytest.raises(AttributeError):
+        keras.distribution.list_devices()
+    keras_torch_distribution.uninstall()  # twice is harmless too
+    assert _keras_backend_distribution_lib() is None
+
+    keras_torch_distribution.install()
+    assert keras_torch_distribution.is_installed()
+    assert _keras_backend_distribution_lib() is distribution_lib
+    assert _keras_front_end_distribution_lib() is distribution_lib
+    assert keras.distribution.list_devices() == ["cpu:0"]
+
+
+def test_model_works_after_reinstall(reinstall):
+    keras_torch_distribution.uninstall()
+    keras_torch_distribution.install()
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    out = model(np.ones((4, 3), "float32"))
+    assert tuple(out.shape) == (4, 2)
+
+
+# ---------------------------------------------------------------------------
+# The one seam and the environment guard
+# ---------------------------------------------------------------------------
+
+
+def test_only_the_seam_mentions_keras_src():
+    offenders = _keras_compat.keras_src_modules_outside_seam(PACKAGE_DIR)
+    assert offenders == [], (
+        f"{offenders} mention keras.src; only _keras_compat.py may reach Keras "
+        "internals. Move the access into _keras_compat and import it from there."
+    )
+
+
+def test_seam_check_finds_offenders(tmp_path):
+    (tmp_path / "_keras_compat.py").write_text("from keras.src import backend\n")
+    (tmp_path / "clean.py").write_text("import keras\n")
+    (tmp_path / "bad.py").write_text("from keras.src.utils import rng_utils\n")
+    (tmp_path / "bad2.py").write_text("from keras import src\n")
+    (tmp_path / "notes.txt").write_text("keras.src\n")
+    assert _keras_compat.keras_src_modules_outside_seam(str(tmp_path)) == [
+        "bad.py",
+        "bad2.py",
+    ]
+
+
+def test_environment_check_passes_here():
+    _keras_compat.check_environment()
+
+
+def test_non_torch_backend_is_refused(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ImportError, match=r"needs the torch backend.*'jax'.*KERAS_BACKEND=torch"):
+        _keras_compat.check_environment()
+
+
+@pytest.mark.parametrize("version", ["3.15.0", "3.16.0", "3.20.1", "2.15.0", "4.0.0"])
+def test_unsupported_keras_version_is_refused(monkeypatch, version):
+    monkeypatch.setattr(keras, "__version__", version)
+    with pytest.raises(
+        ImportError,
+        match=rf"supports keras>=3\.15\.1,<3\.16, but keras {version} is installed.*pip install",
+    ):
+        _keras_compat.check_environment()
+
+
+@pytest.mark.parametrize("version", ["3.15.1", "3.15.2", "3.15.1.dev2025"])
+def test_supported_keras_versions_pass(monkeypatch, version):
+    monkeypatch.setattr(keras, "__version__", version)
+    _keras_compat.check_environment()
+
+
+def test_install_refuses_unsupported_version(reinstall, monkeypatch):
+    # reinstall is listed first so that it runs after monkeypatch is undone.
+    keras_torch_distribution.uninstall()
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    with pytest.raises(ImportError, match="keras 3.99.0 is installed"):
+        keras_torch_distribution.install()
+    # Nothing was patched by the failed install.
+    assert not keras_torch_distribution.is_installed()
+    assert _keras_backend_distribution_lib() is None
+
+
+# ---------------------------------------------------------------------------
+# Devices in one process
+# ---------------------------------------------------------------------------
+
+
+def test_devices_in_one_process():
+    assert keras.distribution.list_devices() == ["cpu:0"]
+    assert keras.distribution.list_devices("cpu") == ["cpu:0"]
+    assert keras.distribution.list_devices("CPU") == ["cpu:0"]
+    assert keras.distribution.get_device_count() == 1
+    assert keras.distribution.get_device_count("cpu") == 1
+    assert keras.distribution.list_devices("tpu") == []
+    if not torch.cuda.is_available():
+        assert keras.distribution.list_devices("gpu") == []
+        assert keras.distribution.get_device_count("gpu") == 0
+    # Listing devices starts no process group.
+    assert not dist.is_initialized()
+    assert distribution_lib.num_processes() == 1
+    assert distribution_lib.process_id() == 0
+
+
+def test_unknown_device_type():
+    with pytest.raises(ValueError, match=r"device_type='npu' is not one of 'cpu', 'gpu' or 'tpu'"):
+        keras.distribution.list_devices("npu")
+
+
+def test_devices_need_initialize_when_launched(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2.*Call keras.distribution.initialize\(\) first"):
+        keras.distribution.list_devices()
+
+
+@pytest.mark.parametrize(
+    "device, rank", [("cpu:0", 0), ("gpu:3", 3), ("cuda:12", 12), ("CPU:1", 1)]
+)
+def test_device_rank(device, rank):
+    assert layouts.device_rank(device) == rank
+
+
+@pytest.mark.parametrize("device", ["tpu:0", "cpu", "cpu:x", "0"])
+def test_device_rank_rejects(device):
+    with pytest.raises(ValueError, match=rf"Device '{device}' is not a device of this package.*list_devices"):
+        layouts.device_rank(device)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "soon"])
+def test_timeout_must_be_positive(monkeypatch, text):
+    monkeypatch.setenv("KTD_TIMEOUT_SECONDS", text)
+    with pytest.raises(ValueError, match=rf"KTD_TIMEOUT_SECONDS='{text}' is not a positive number"):
+        runtime.timeout_seconds()
+
+
+def test_init_method_parsing():
+    assert runtime._init_method("10.0.0.1:1234") == "tcp://10.0.0.1:1234"
+    assert runtime._init_method("10.0.0.1:1234,10.0.0.2:2345") == "tcp://10.0.0.1:1234"
+    assert runtime._init_method("file:///tmp/x") == "file:///tmp/x"
+    for bad in ("localhost", ":1234", "host:port"):
+        with pytest.raises(ValueError, match=rf"job_addresses='{bad}' is not 'host:port'"):
+            runtime._init_method(bad)
+
+
+def test_initialize_argument_errors():
+    with pytest.raises(ValueError, match=r"also needs num_processes and process_id"):
+        keras.distribution.initialize(job_addresses="localhost:1")
+    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+        keras.distribution.initialize(
+            job_addresses="localhost:1", num_processes=2, process_id=2
+        )
+    with pytest.raises(ValueError, match=r"lists 3 jobs but num_processes=2"):
+        keras.distribution.initialize(
+            job_addresses="a:1,b:2,c:3", num_processes=2, process_id=0
+        )
+    with pytest.raises(ValueError, match=r"initialize\(num_processes=2\) needs job_addresses"):
+        keras.distribution.initialize(num_processes=2)
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------
+# Layout translation (pure functions)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "axes, expected",
+    [
+        (("batch",), (Shard(0),)),
+        ((None,), (Replicate(),)),
+        ((None, "batch"), (Shard(1),)),
+        ((None, None, "batch"), (Shard(2),)),
+        ((), (Replicate(),)),
+    ],
+)
+def test_placements_1d_mesh(axes, expected):
+    assert layouts.placements_for(axes, ["batch"]) == expected
+
+
+@pytest.mark.parametrize(
+    "axes, expected",
+    [
+        (("batch", "model"), (Shard(0), Shard(1))),
+        (("model", "batch"), (Shard(1), Shard(0))),
+        ((None, "model"), (Replicate(), Shard(1))),
+        (("batch", None), (Shard(0), Replicate())),
+        ((None, None), (Replicate(), Replicate())),
+        ((("batch", "model"), None), (Shard(0), Shard(0))),
+        ((None, ("batch", "model")), (Shard(1), Shard(1))),
+        ((None, ["batch", "model"]), (Shard(1), Shard(1))),
+        ((("model",), None), (Replicate(), Shard(0))),
+    ],
+)
+def test_placements_2d_mesh(axes, expected):
+    assert layouts.placements_for(axes, ["batch", "model"]) == expected
+
+
+def test_placements_unknown_axis():
+    with pytest.raises(
+        ValueError,
+        match=r"name the mesh axis 'data', which the mesh does not have; its axes are \['batch', 'model'\]",
+    ):
+        layouts.placements_for(("data", None), ["batch", "model"])
+    with pytest.raises(ValueError, match=r"mesh axis 'data'"):
+        layouts.placements_for(((("batch", "data")), None), ["batch", "model"])
+
+
+def test_placements_axis_used_twice():
+    with pytest.raises(
+        ValueError,
+        match=r"use the mesh axis 'model' for dims 0 and 1; a mesh axis can shard only one tensor dim",
+    ):
+        layouts.placements_for(("model", "model"), ["batch", "model"])
+    with pytest.raises(ValueError, match=r"use the mesh axis 'batch' for dims 0 and 1"):
+        layouts.placements_for((("batch", "model"), "batch"), ["batch", "model"])
+
+
+def test_placements_axes_out_of_mesh_order():
+    with pytest.raises(ValueError, match=r"out of the mesh's axis order \['batch', 'model'\]"):
+        layouts.placements_for((("model", "batch"), None), ["batch", "model"])
+
+
+def test_check_rank_message():
+    layout = layouts.TorchLayout(mesh=None, placements=(Shard(0),), axes=("batch", None))
+    with pytest.raises(
+        ValueError,
+        match=r"Layout axes \('batch', None\) have 2 entries, but the tensor has shape \(4,\) \(rank 1\)",
+    ):
+        layouts.check_rank(layout, (4,), "the tensor")
+
+
+def test_mesh_key_is_configuration():
+    devices = keras.distribution.list_devices()
+    a = keras.distribution.DeviceMesh((1,), ["batch"], devices)
+    b = keras.distribution.DeviceMesh((1,), ["batch"], devices)
+    c = keras.distribution.DeviceMesh((1,), ["model"], devices)
+    assert layouts.mesh_key(a) == layouts.mesh_key(b) == ((1,), ("batch",), ("cpu:0",))
+    assert layouts.mesh_key(a) != layouts.mesh_key(c)
+
+
+def test_contiguous_stride():
+    assert layouts.contiguous_stride((5, 3)) == (3, 1)
+    assert layouts.contiguous_stride((2, 3, 4)) == (12, 4, 1)
+    assert layouts.contiguous_stride((0, 3)) == (3, 1)
+    assert layouts.contiguous_stride(()) == ()
+
+
+def test_layout_without_mesh_is_refused():
+    layout = keras.distribution.TensorLayout(("batch", None))
+    with pytest.raises(ValueError, match=r"TensorLayout axes=\('batch', None\) has no device mesh"):
+        layouts.to_torch_layout(layout)
+
+
+def test_distribute_tensor_refuses_non_layout():
+    with pytest.raises(ValueError, match=r"layout=\('batch',\) is not a keras.distribution.TensorLayout"):
+        distribution_lib.distribute_tensor(torch.zeros(2), ("batch",))
+
+
+# ---------------------------------------------------------------------------
+# The public keras.distribution objects, as on JAX
+# ---------------------------------------------------------------------------
+
+
+def test_device_mesh():
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((1,), ["batch"], devices)
+    assert mesh.shape == (1,)
+    assert mesh.axis_names == ["batch"]
+    assert mesh.devices.tolist() == ["cpu:0"]
+    mesh2 = keras.distribution.DeviceMesh((1, 1), ["batch", "model"])
+    assert mesh2.devices.shape == (1, 1)
+    with pytest.raises(ValueError, match="Shape does not match the number of devices"):
+        keras.distribution.DeviceMesh((2,), ["batch"], devices)
+
+
+def test_tensor_layout_and_layout_map():
+    mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"])
+    layout = keras.distribution.TensorLayout((None, "model"), mesh)
+    assert layout.axes == (None, "model")
+    assert layout.device_mesh is mesh
+    with pytest.raises(ValueError, match="Invalid axis names"):
+        keras.distribution.TensorLayout(("data",), mesh)
+
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*dense.*kernel"] = (None, "model")
+    layout_map[r".*dense.*bias"] = ("model",)
+    kernel = layout_map["seq/dense_1/kernel"]
+    assert kernel.axes == (None, "model")
+    assert kernel.device_mesh is mesh
+    assert layout_map["seq/dense_1/bias"].axes == ("model",)
+    assert layout_map["seq/conv/kernel"] is None
+    assert len(layout_map) == 2
+
+
+def test_data_parallel():
+    dp = keras.distribution.DataParallel()
+    assert dp.device_mesh.shape == (1,)
+    assert dp.batch_dim_name == "batch"
+    assert dp.num_model_replicas == 1
+    assert dp.num_processes == 1
+    assert dp.data_shard_id == 0
+    layout = dp.get_data_layout((8, 3))
+    assert layout.axes == ("batch", None)
+    dp2 = keras.distribution.DataParallel(devices=keras.distribution.list_devices())
+    assert dp2.device_mesh.devices.tolist() == ["cpu:0"]
+    mesh = keras.distribution.DeviceMesh((1,), ["data"])
+    dp3 = keras.distribution.DataParallel(device_mesh=mesh)
+    assert dp3.batch_dim_name == "data"
+    # Building the distributions starts no process group.
+    assert not dist.is_initialized()
+
+
+def test_model_parallel():
+    mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*kernel"] = (None, "model")
+    mp = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    assert mp.device_mesh is mesh
+    assert mp.num_model_replicas == 1
+    assert mp.num_processes == 1
+    assert mp.get_tensor_layout("dense/kernel").axes == (None, "model")
+    mp2 = keras.distribution.ModelParallel(layout_map=layout_map)
+    assert mp2.batch_dim_name == "batch"
+    with pytest.raises(ValueError, match="You must specify a layout_map argument"):
+        keras.distribution.ModelParallel()
+
+
+def test_set_distribution_and_scope_restore():
+    assert keras.distribution.distribution() is None
+    first = keras.distribution.DataParallel()
+    second = keras.distribution.DataParallel()
+    try:
+        keras.distribution.set_distribution(first)
+        assert keras.distribution.distribution() is first
+        with second.scope():
+            assert keras.distribution.distribution() is second
+        assert keras.distribution.distribution() is first
+        with pytest.raises(RuntimeError, match="inside"):
+            with second.scope():
+                raise RuntimeError("inside")
+        assert keras.distribution.distribution() is first
+    finally:
+        keras.distribution.set_distribution(None)
+    assert keras.distribution.distribution() is None
+
+
+# ---------------------------------------------------------------------------
+# One-process world: the whole path, with a group we remove afterwards
+# ---------------------------------------------------------------------------
+
+
+def test_one_process_distribute_tensor(one_process_world):
+    mesh = keras.distribution.DeviceMesh((1,), ["batch"])
+    layout = keras.distribution.TensorLayout(("batch", None), mesh)
+    full = np.arange(15, dtype="float32").reshape(5, 3)
+    value = keras.distribution.distribute_tensor(full, layout)
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert tuple(value.placements) == (Shard(0),)
+    np.testing.assert_array_equal(value.full_tensor().numpy(), full)
+    assert mesh.backend_mesh is keras.distribution.DeviceMesh((1,), ["batch"]).backend_mesh

@@ -1,0 +1,200 @@
+"""fit / evaluate / predict under DataParallel, ModelParallel and a 2x2 mesh,
+compared with one process training on the global batch."""
+
+import numpy as np
+import pytest
+
+ROWS, FEATURES, OUTPUTS = 72, 6, 3  # 72 rows, batch 16: a last batch of 8
+
+
+def _set_distribution(kind):
+    import keras
+
+    devices = keras.distribution.list_devices()
+    if kind == "dp":
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+    elif kind in ("mp", "hybrid"):
+        if kind == "mp":
+            mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+        else:
+            mesh = keras.distribution.DeviceMesh((2, len(devices) // 2), ["batch", "model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*hidden.*kernel"] = (None, "model")
+        layout_map[".*hidden.*bias"] = ("model",)
+        layout_map[".*out.*kernel"] = ("model", None)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map)
+        )
+
+
+def _model(optimizer="adam", accumulation=None):
+    import keras
+
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((FEATURES,), name="features")
+    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(OUTPUTS, name="out")(hidden)
+    model = keras.Model(inputs, outputs)
+    if optimizer == "adam":
+        opt = keras.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation)
+    else:
+        opt = keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=accumulation)
+    model.compile(opt, "mse", metrics=["mae", keras.metrics.RootMeanSquaredError()])
+    return model
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
+    y = rng.normal(size=(ROWS, OUTPUTS)).astype("float32")
+    return x, y
+
+
+def _inputs(kind, x, y, batch_size):
+    """(fit args, fit kwargs) for an input kind."""
+    import keras
+    import torch
+
+    if kind == "numpy":
+        return (x, y), {"batch_size": batch_size}
+    if kind == "torch":
+        return (torch.as_tensor(x), torch.as_tensor(y)), {"batch_size": batch_size}
+    if kind == "dict":
+        return ({"features": x}, y), {"batch_size": batch_size}
+    if kind == "pydataset":
+
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return -(-len(x) // batch_size)
+
+            def __getitem__(self, i):
+                s = slice(i * batch_size, (i + 1) * batch_size)
+                return x[s], y[s]
+
+        return (Batches(),), {}
+    raise ValueError(kind)
+
+
+def train(kind, optimizer="adam", shuffle=False, inputs="numpy", accumulation=None,
+          epochs=2, batch_size=16):
+    """Train; return weights, history, evaluate and predict results."""
+    import keras
+
+    _set_distribution(kind)
+    model = _model(optimizer, accumulation)
+    x, y = _data()
+    args, kwargs = _inputs(inputs, x, y, batch_size)
+    history = model.fit(*args, epochs=epochs, shuffle=shuffle, verbose=0, **kwargs)
+    evaluation = model.evaluate(x, y, batch_size=batch_size, verbose=0)
+    predictions = model.predict(x, batch_size=batch_size, verbose=0)
+    weights = [np.asarray(v) for v in model.weights]
+    keras.distribution.set_distribution(None)
+    return weights, history.history, evaluation, predictions
+
+
+def _reference(**kwargs):
+    return train(None, **kwargs)
+
+
+def _assert_same(results, reference, atol=2e-5):
+    ref_weights, ref_history, ref_eval, ref_pred = reference
+    for rank, (weights, history, evaluation, predictions) in enumerate(results):
+        for w, r in zip(weights, ref_weights):
+            np.testing.assert_allclose(w, r, atol=atol, rtol=1e-4, err_msg=f"rank {rank}")
+        assert history.keys() == ref_history.keys()
+        for key in ref_history:
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4, atol=atol)
+        np.testing.assert_allclose(evaluation, ref_eval, rtol=1e-4, atol=atol)
+        np.testing.assert_allclose(predictions, ref_pred, rtol=1e-4, atol=atol)
+    # Every rank reports identical logs.
+    for weights, history, evaluation, _ in results[1:]:
+        assert history == results[0][1]
+        assert evaluation == results[0][2]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_data_parallel_fit_matches_one_process(pool2, optimizer, shuffle):
+    results = pool2.run(train, "dp", optimizer=optimizer, shuffle=shuffle)
+    _assert_same(results, _reference(optimizer=optimizer, shuffle=shuffle))
+
+
+def test_model_parallel_fit_matches_one_process(pool2):
+    results = pool2.run(train, "mp", shuffle=True)
+    _assert_same(results, _reference(shuffle=True))
+
+
+def test_hybrid_2x2_fit_matches_one_process(pool4):
+    results = pool4.run(train, "hybrid", shuffle=True)
+    _assert_same(results, _reference(shuffle=True))
+
+
+@pytest.mark.parametrize("inputs", ["torch", "dict", "pydataset"])
+def test_input_kinds_match_one_process(pool2, inputs):
+    results = pool2.run(train, "dp", inputs=inputs, epochs=1)
+    _assert_same(results, _reference(inputs=inputs, epochs=1))
+
+
+def test_gradient_accumulation_matches_one_process(pool2):
+    results = pool2.run(train, "dp", optimizer="sgd", accumulation=2, batch_size=8)
+    _assert_same(results, _reference(optimizer="sgd", accumulation=2, batch_size=8))
+
+
+def indivisible_batch():
+    _set_distribution("dp")
+    model = _model()
+    x, y = _data()
+    try:
+        model.fit(x, y, batch_size=15, verbose=0)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_indivisible_global_batch_is_an_error(pool2):
+    messages = pool2.run(indivisible_batch)
+    for message in messages:
+        assert message is not None and "batch_size=15 is the global batch" in message
+        assert "divisible by the 2 data-parallel replicas" in message
+
+
+def dataloader_steps():
+    """A DataLoader yields per-process batches; replicas take turns."""
+    import keras
+    import torch
+
+    _set_distribution("dp")
+    model = _model("sgd")
+    x, y = _data()
+    dataset = torch.utils.data.TensorDataset(torch.as_tensor(x), torch.as_tensor(y))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8)  # 9 batches
+    seen = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    model.fit(loader, epochs=1, verbose=0, callbacks=[Count()])
+    return len(seen), [np.asarray(v) for v in model.weights]
+
+
+def test_dataloader_round_robin_same_steps_everywhere(pool2):
+    (steps0, w0), (steps1, w1) = pool2.run(dataloader_steps)
+    assert steps0 == steps1 == 4  # 9 batches over 2 replicas: 4 rounds
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)
+
+
+def early_stopping():
+    import keras
+
+    _set_distribution("dp")
+    model = _model()
+    x, y = _data()
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)
+    history = model.fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[stop])
+    return len(history.history["loss"])
+
+
+def test_early_stopping_decides_the_same_on_every_rank(pool2):
+    assert pool2.run(early_stopping) == [2, 2]
