@@ -56,6 +56,7 @@ def launch(script, case, nproc, timeout=150.0, extra_env=None):
         script,
     ]
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     process = subprocess.Popen(
         command, env=env, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -77,10 +78,15 @@ def launch(script, case, nproc, timeout=150.0, extra_env=None):
     results = []
     for rank in range(nproc):
         with open(os.path.join(out, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
+            result = json.load(f)
+        # Other work on the machine skews timings: record how busy it was.
+        result["loadavg_1min_before"] = round(load_before, 2)
+        result["loadavg_1min_after"] = round(os.getloadavg()[0], 2)
+        results.append(result)
         os.remove(os.path.join(out, f"rank{rank}.json"))
     os.rmdir(out)
-    print(f"  [{case} x{nproc}: {time.monotonic() - started:.1f} s wall]",
+    print(f"  [{case} x{nproc}: {time.monotonic() - started:.1f} s wall, "
+          f"load avg {load_before:.1f} -> {os.getloadavg()[0]:.1f}]",
           flush=True)
     return results
 

@@ -145,25 +145,20 @@ def _mesh_caching():
 
 
 def _reordered_devices():
-    """A mesh listing the devices in reverse puts rank 1 at coordinate 0."""
+    """Devices out of rank order along an axis are refused (torch's groups
+    order members by rank, DTensor by mesh coordinate)."""
     import keras
-    import numpy as np
-    import torch.distributed as dist
 
-    devices = list(reversed(keras.distribution.list_devices()))
-    mesh = keras.distribution.DeviceMesh((2,), ["batch"], devices)
-    layout = keras.distribution.TensorLayout(("batch", None), mesh)
-    full = np.arange(12, dtype="float32").reshape(4, 3)
-    value = keras.distribution.distribute_tensor(full, layout)
-    return {
-        "rank": dist.get_rank(),
-        "coordinate": list(mesh.backend_mesh.get_coordinate()),
-        "local": value.to_local().numpy(),
-        "full": value.full_tensor().numpy(),
-    }
+    devices = keras.distribution.list_devices()
+    reversed_mesh = keras.distribution.DeviceMesh((2,), ["batch"], devices[::-1])
+    grid = keras.distribution.DeviceMesh((2, 1), ["batch", "model"], devices[::-1])
+    return (
+        _error_of(lambda: reversed_mesh.backend_mesh),
+        _error_of(lambda: grid.backend_mesh),
+    )
 
 
-def _layout_cases(mesh_shape, axis_names, cases):
+def _layout_cases(mesh_shape, axis_names, cases, devices=None):
     """For each (tensor shape, layout axes): our placements, local block and
     round trip, against torch's `distribute_tensor` of the same full tensor."""
     import keras
@@ -175,7 +170,7 @@ def _layout_cases(mesh_shape, axis_names, cases):
     from keras_torch_distribution import layouts
 
     mesh = keras.distribution.DeviceMesh(
-        mesh_shape, list(axis_names), keras.distribution.list_devices()
+        mesh_shape, list(axis_names), devices or keras.distribution.list_devices()
     )
     results = []
     for shape, axes in cases:
@@ -387,6 +382,25 @@ def _unseeded_model_weights():
     return [w.copy() for w in model.get_weights()]
 
 
+def _forget_seeds():
+    """Seed Python's, numpy's and torch's RNGs from the OS, as a freshly
+    started process has them, and forget any Keras seed."""
+    import random
+
+    import keras
+    import torch
+
+    random.seed()
+    np.random.seed()
+    torch.seed()
+    keras.backend.clear_session()  # drops the global Keras seed
+
+
+def _unseeded_weights_without_initialize():
+    _forget_seeds()
+    return _unseeded_model_weights()
+
+
 def _destroy():
     import torch.distributed as dist
 
@@ -407,6 +421,7 @@ def _initialize_explicit(job_addresses, world, rank_by_pid=None):
     from keras_torch_distribution import distribution_lib
 
     rank = rank_by_pid[os.getpid()]
+    _forget_seeds()
     try:
         before = dist.is_initialized()
         keras.distribution.initialize(
@@ -453,6 +468,42 @@ def _initialize_explicit(job_addresses, world, rank_by_pid=None):
 
 
 _TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_KERAS_KEYS = (
+    "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+    "KERAS_DISTRIBUTION_NUM_PROCESSES",
+    "KERAS_DISTRIBUTION_PROCESS_ID",
+)
+
+
+def _initialize_from_keras_env(address, world, rank_by_pid):
+    """Keras' own variables (read by keras.distribution.initialize)."""
+    import keras
+    import torch.distributed as dist
+
+    rank = rank_by_pid[os.getpid()]
+    _forget_seeds()
+    saved = {key: os.environ.get(key) for key in _KERAS_KEYS}
+    os.environ.update(
+        KERAS_DISTRIBUTION_JOB_ADDRESSES=address,
+        KERAS_DISTRIBUTION_NUM_PROCESSES=str(world),
+        KERAS_DISTRIBUTION_PROCESS_ID=str(rank),
+    )
+    try:
+        keras.distribution.initialize()
+        keras.distribution.initialize()  # harmless
+        return {
+            "rank": dist.get_rank(),
+            "world": dist.get_world_size(),
+            "devices": keras.distribution.list_devices(),
+            "weights": _unseeded_model_weights(),
+        }
+    finally:
+        _destroy()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _initialize_from_torchrun_env(port, world, rank_by_pid):
@@ -460,6 +511,7 @@ def _initialize_from_torchrun_env(port, world, rank_by_pid):
     import torch.distributed as dist
 
     rank = rank_by_pid[os.getpid()]
+    _forget_seeds()
     saved = {key: os.environ.get(key) for key in _TORCHRUN_KEYS}
     os.environ.update(
         RANK=str(rank),
@@ -486,6 +538,34 @@ def _initialize_from_torchrun_env(port, world, rank_by_pid):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _reinitialize(first_url, second_url, rank_by_pid):
+    """Destroy the process group and start another: meshes cached for the
+    first group must not be reused (their groups are dead)."""
+    import keras
+    import numpy as np
+    import torch.distributed as dist
+
+    rank = rank_by_pid[os.getpid()]
+    value = np.arange(6, dtype="float32").reshape(3, 2)
+    gathered = []
+    meshes = []
+    try:
+        for url in (first_url, second_url):
+            keras.distribution.initialize(
+                job_addresses=url, num_processes=2, process_id=rank
+            )
+            mesh = keras.distribution.DeviceMesh((2,), ["batch"])
+            meshes.append(mesh.backend_mesh)
+            layout = keras.distribution.TensorLayout(("batch", None), mesh)
+            gathered.append(
+                keras.distribution.distribute_tensor(value, layout).full_tensor().numpy()
+            )
+            dist.destroy_process_group()  # the mesh cache is left as it is
+        return meshes[0] is not meshes[1], gathered
+    finally:
+        _destroy()
 
 
 def _torchrun_env_mismatch(world, rank_by_pid):
@@ -518,7 +598,7 @@ def _leftover_env():
 
     return (
         dist.is_initialized(),
-        {key: os.environ.get(key) for key in _TORCHRUN_KEYS},
+        {key: os.environ.get(key) for key in _TORCHRUN_KEYS + _KERAS_KEYS},
     )
 
 
@@ -572,14 +652,17 @@ def test_mesh_cache_and_switching_meshes(pool2):
             np.testing.assert_array_equal(gathered, result["full"])
 
 
-def test_device_order_decides_coordinates(pool2):
-    results = pool2.run(_reordered_devices)
-    full = np.arange(12, dtype="float32").reshape(4, 3)
-    assert [r["coordinate"] for r in results] == [[1], [0]]
-    np.testing.assert_array_equal(results[0]["local"], full[2:])
-    np.testing.assert_array_equal(results[1]["local"], full[:2])
-    for result in results:
-        np.testing.assert_array_equal(result["full"], full)
+def test_devices_out_of_rank_order_are_refused(pool2):
+    for reversed_1d, reversed_2d in pool2.run(_reordered_devices):
+        _assert_error(
+            reversed_1d,
+            "ValueError",
+            r"DeviceMesh devices \['cpu:1', 'cpu:0'\] \(as a grid of ranks \[1, 0\]\) "
+            r"do not increase along mesh axis 'batch'.*list_devices\(\)",
+        )
+        _assert_error(
+            reversed_2d, "ValueError", r"ranks \[\[1\], \[0\]\]\) do not increase along mesh axis 'batch'"
+        )
 
 
 def _check_layout_results(results, expected_placements):
@@ -640,27 +723,38 @@ def test_layouts_on_2d_mesh_of_two(pool2, mesh_shape):
     _check_layout_results(results, expected)
 
 
-def test_layouts_on_2x2_mesh(pool4):
-    axes_cases = [
-        (("batch", "model"), [S0, S1]),
-        (("model", "batch"), [S1, S0]),
-        (("batch", None), [S0, R]),
-        ((None, "model"), [R, S1]),
-        ((None, None), [R, R]),
-        ((("batch", "model"), None), [S0, S0]),
-        ((None, ("batch", "model")), [S1, S1]),
-        ((("model",), "batch"), [S1, S0]),
-    ]
+AXES_2X2 = [
+    (("batch", "model"), [S0, S1]),
+    (("model", "batch"), [S1, S0]),
+    (("batch", None), [S0, R]),
+    ((None, "model"), [R, S1]),
+    ((None, None), [R, R]),
+    ((("batch", "model"), None), [S0, S0]),
+    ((None, ("batch", "model")), [S1, S1]),
+    ((("model",), "batch"), [S1, S0]),
+]
+
+
+@pytest.mark.parametrize(
+    "devices",
+    [None, ["cpu:0", "cpu:2", "cpu:1", "cpu:3"]],
+    ids=["row_major", "column_major"],
+)
+def test_layouts_on_2x2_mesh(pool4, devices):
     cases, expected = [], []
     for shape in [(8, 4), (5, 3), (3, 5), (2, 1)]:
-        for axes, placements in axes_cases:
+        for axes, placements in AXES_2X2:
             cases.append((shape, axes))
             expected.append(placements)
-    results = pool4.run(_layout_cases, (2, 2), ("batch", "model"), cases)
+    results = pool4.run(_layout_cases, (2, 2), ("batch", "model"), cases, devices)
     _check_layout_results(results, expected)
     # 5 rows over the 4 ranks, nested batch-major: 2, 1, 1, 1 (torch's rule).
-    index = axes_cases.index(((("batch", "model"), None), [S0, S0])) + len(axes_cases)
-    assert [r[index]["local_shape"] for r in results] == [(2, 3), (1, 3), (1, 3), (1, 3)]
+    index = AXES_2X2.index(((("batch", "model"), None), [S0, S0])) + len(AXES_2X2)
+    shapes = [r[index]["local_shape"] for r in results]
+    if devices is None:
+        assert shapes == [(2, 3), (1, 3), (1, 3), (1, 3)]
+    else:  # ranks 0, 2 on the first batch row; rank 1 at coordinate (1, 0)
+        assert shapes == [(2, 3), (1, 3), (1, 3), (1, 3)][:1] + [(1, 3)] * 3
 
 
 def test_distribute_tensor_round_trips(pool2):
@@ -808,6 +902,12 @@ def _check_initialized(results, world=2):
         np.testing.assert_array_equal(a, b)
 
 
+def test_unseeded_weights_differ_without_initialize(fresh_pool2):
+    # The control for the seed checks below: fresh processes disagree.
+    first, second = fresh_pool2.run(_unseeded_weights_without_initialize)
+    assert not np.array_equal(first[0], second[0])
+
+
 def test_initialize_with_file_url(fresh_pool2, tmp_path):
     ranks = _ranks(fresh_pool2)
     url = f"file://{tmp_path / 'rendezvous'}"
@@ -830,6 +930,7 @@ def test_initialize_with_one_address_per_process(fresh_pool2):
 
 def test_initialize_from_torchrun_env(fresh_pool2):
     ranks = _ranks(fresh_pool2)
+    environments = fresh_pool2.run(_leftover_env)
     results = fresh_pool2.run(_initialize_from_torchrun_env, _free_port(), 2, ranks)
     for rank, result in enumerate(results):
         assert (result["rank"], result["world"]) == (rank, 2)
@@ -842,9 +943,39 @@ def test_initialize_from_torchrun_env(fresh_pool2):
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         np.testing.assert_array_equal(a, b)
     # Nothing leaks into the workers: no group, torchrun's variables restored.
-    for initialized, env in fresh_pool2.run(_leftover_env):
+    for (initialized, env), (_, env_before) in zip(
+        fresh_pool2.run(_leftover_env), environments
+    ):
         assert not initialized
-        assert env == {key: None for key in _TORCHRUN_KEYS}
+        assert env == env_before
+
+
+def test_reinitialize_rebuilds_meshes(fresh_pool2, tmp_path):
+    ranks = _ranks(fresh_pool2)
+    urls = [f"file://{tmp_path / name}" for name in ("first", "second")]
+    value = np.arange(6, dtype="float32").reshape(3, 2)
+    for rebuilt, gathered in fresh_pool2.run(_reinitialize, *urls, ranks):
+        assert rebuilt
+        for array in gathered:
+            np.testing.assert_array_equal(array, value)
+
+
+def test_initialize_from_keras_env(fresh_pool2):
+    ranks = _ranks(fresh_pool2)
+    environments = fresh_pool2.run(_leftover_env)
+    results = fresh_pool2.run(
+        _initialize_from_keras_env, f"127.0.0.1:{_free_port()}", 2, ranks
+    )
+    for rank, result in enumerate(results):
+        assert (result["rank"], result["world"]) == (rank, 2)
+        assert result["devices"] == ["cpu:0", "cpu:1"]
+    for a, b in zip(results[0]["weights"], results[1]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    for (initialized, env), (_, env_before) in zip(
+        fresh_pool2.run(_leftover_env), environments
+    ):
+        assert not initialized
+        assert env == env_before
 
 
 def test_torchrun_env_mismatch_is_refused(fresh_pool2):

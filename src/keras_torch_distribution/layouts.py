@@ -8,13 +8,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import runtime
 
-_torch_meshes = {}
+_torch_meshes = {}  # mesh_key -> (the world group it was built in, torch mesh)
 
 
 def device_rank(device):
@@ -46,11 +47,14 @@ def to_torch_mesh(keras_mesh):
     Collective (the first time a configuration is seen): call on every rank.
     """
     key = mesh_key(keras_mesh)
-    mesh = _torch_meshes.get(key)
-    if mesh is not None:
-        return mesh
-    shape, axis_names, devices = key
     world = runtime.ensure_initialized()
+    world_group = dist.group.WORLD
+    cached = _torch_meshes.get(key)
+    # A mesh built before the process group was destroyed and started again
+    # holds dead groups: build it anew for the running group.
+    if cached is not None and cached[0] is world_group:
+        return cached[1]
+    shape, axis_names, devices = key
     if len(devices) != world:
         raise ValueError(
             f"DeviceMesh shape={shape} has {len(devices)} devices, but "
@@ -78,9 +82,32 @@ def to_torch_mesh(keras_mesh):
             "available in this process. Use keras.distribution.list_devices('cpu')."
         )
     rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
+    _check_rank_order(rank_grid, axis_names, devices)
     mesh = TorchDeviceMesh(device_type, rank_grid, mesh_dim_names=axis_names)
-    _torch_meshes[key] = mesh
+    _torch_meshes[key] = (world_group, mesh)
     return mesh
+
+
+def _check_rank_order(rank_grid, axis_names, devices):
+    """Refuse meshes whose ranks decrease along an axis.
+
+    torch.distributed orders the members of a process group by rank (and a
+    1-D mesh over the whole world reuses the default group), while DTensor
+    places shards by mesh coordinate. Along an axis whose ranks are not
+    increasing the two disagree, and gathers would silently permute shards.
+    """
+    for axis, name in enumerate(axis_names):
+        if rank_grid.shape[axis] > 1 and not bool(
+            (torch.diff(rank_grid, dim=axis) > 0).all()
+        ):
+            raise ValueError(
+                f"DeviceMesh devices {list(devices)} (as a grid of ranks "
+                f"{rank_grid.tolist()}) do not increase along mesh axis "
+                f"{name!r}. torch.distributed orders each axis' process group "
+                "by rank, so DTensor would assemble shards in the wrong order. "
+                "List the devices in increasing rank order along every axis, "
+                "e.g. keras.distribution.list_devices() reshaped to the mesh."
+            )
 
 
 def clear_mesh_cache():

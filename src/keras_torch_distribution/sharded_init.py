@@ -5,7 +5,7 @@ initializer's seed draws the variable's whole random stream in row-aligned
 chunks; each rank keeps the rows and columns of its block and drops the
 rest. The result is bit for bit the value a one-process Keras run gives,
 whatever the mesh, at a peak of the local block plus one chunk
-(`CHUNK_DRAWS` random numbers, 16 MiB in float32).
+(`CHUNK_DRAWS` random numbers, 4 MiB in float32).
 
 Constant initializers and Identity build the block directly. Any other
 initializer (Orthogonal, user-defined ones) is computed in full on every rank
@@ -20,7 +20,7 @@ from keras_torch_distribution import _keras_compat
 from keras_torch_distribution import layouts
 from keras_torch_distribution.log import warn_once
 
-CHUNK_DRAWS = 1 << 22
+CHUNK_DRAWS = 1 << 20
 # CPU `normal_` draws in blocks of 16 values (with a redrawn tail); chunks are
 # multiples of it so that a chunked stream equals the one-call stream.
 _NORMAL_BLOCK = 16
@@ -93,36 +93,41 @@ def _stream_block(call, shape, torch_dtype, box, max_draws=None):
     row_shape = shape[1:]
     draws_per_row = math.prod(row_shape) * draws_per_value
     (row_lo, row_hi), inner = box[0], layouts.box_slices(box[1:])
-    pieces = []
-    for start, stop in _row_groups(shape[0], draws_per_row, max_draws):
+    local_shape = tuple(hi - lo for lo, hi in box)
+    block = torch.empty(local_shape, dtype=torch_dtype)
+    groups = _row_groups(shape[0], draws_per_row, max_draws)
+    largest = max(stop - start for start, stop in groups) * draws_per_row
+    buffer = torch.empty(largest, dtype=torch_dtype)  # reused by every chunk
+    for start, stop in groups:
         if start >= row_hi:
             break
-        chunk = _draw(call, (stop - start,) + row_shape, torch_dtype, generator)
+        chunk = _draw(call, (stop - start,) + row_shape, torch_dtype, generator, buffer)
         lo, hi = max(start, row_lo), min(stop, row_hi)
         if lo < hi:
-            pieces.append(chunk[lo - start : hi - start][(slice(None),) + inner])
-    if not pieces:
-        local_shape = tuple(hi - lo for lo, hi in box)
-        return torch.empty(local_shape, dtype=torch_dtype)
-    return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].contiguous()
+            # Copy out and drop the chunk: at most one chunk is alive.
+            block[lo - row_lo : hi - row_lo] = chunk[lo - start : hi - start][
+                (slice(None),) + inner
+            ]
+        del chunk
+    return block
 
 
-def _draw(call, shape, torch_dtype, generator):
-    """The next values of the stream, computed as Keras' torch backend does."""
+def _draw(call, shape, torch_dtype, generator, buffer):
+    """The next values of the stream, computed as Keras' torch backend does,
+    drawn into (the front of) `buffer`."""
+    if call.kind == "truncated_normal":
+        shape = shape + (4,)
+    out = buffer[: math.prod(shape)].view(shape)
     if call.kind == "normal":
         mean, stddev = call.params
-        return torch.normal(
-            mean, stddev, size=shape, generator=generator, dtype=torch_dtype
-        )
+        return torch.normal(mean, stddev, size=shape, generator=generator, out=out)
     if call.kind == "uniform":
         minval, maxval = call.params
-        values = torch.rand(size=shape, generator=generator, dtype=torch_dtype)
-        return (maxval - minval) * values + minval
+        values = torch.rand(size=shape, generator=generator, out=out)
+        return values.mul_(maxval - minval).add_(minval)
     if call.kind == "truncated_normal":
         mean, stddev = call.params
-        x = torch.normal(
-            0.0, 1.0, size=shape + (4,), generator=generator, dtype=torch_dtype
-        )
+        x = torch.normal(0.0, 1.0, size=shape, generator=generator, out=out)
         valid = (x > -2) & (x < 2)
         indexes = valid.max(-1, keepdim=True)[1]
         values = x.gather(-1, indexes).squeeze(-1)

@@ -145,7 +145,17 @@ class ProcessGroupPool:
                             f"process exited with code {self._processes[rank].exitcode}",
                         )
                     continue
-                status, value = connection.recv()
+                try:
+                    status, value = connection.recv()
+                except EOFError:  # the worker died (e.g. while starting up)
+                    self._processes[rank].join(timeout=5)
+                    code = self._processes[rank].exitcode
+                    self.close(kill=True)
+                    raise WorkerError(
+                        rank,
+                        f"process closed its pipe and exited with code {code} "
+                        "before answering; see its output above",
+                    ) from None
                 if status == "error":
                     self.close(kill=True)
                     raise WorkerError(rank, value)

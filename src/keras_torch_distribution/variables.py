@@ -119,11 +119,20 @@ def direct_assign(original, variable, value):
     original(variable, tensors.full_value(value))
 
 
-def to_numpy(original, variable, dtype=None):
+def to_numpy(original, variable, dtype=None, copy=None):
     """Keras `Variable.__array__`: the global value, on every rank.
 
-    Collective for sharded variables: call on every rank.
+    Accepts numpy 2's `copy` keyword (`np.array(variable)` passes it); the
+    result is always a new array, so `copy=False` cannot be honoured and
+    raises, as numpy asks. Collective for sharded variables: call on every
+    rank.
     """
+    if copy is False:
+        raise ValueError(
+            f"np.asarray(variable {variable.path!r}, copy=False): a Keras "
+            "variable on the torch backend cannot be viewed as a numpy array "
+            "without a copy. Use np.asarray(variable) (copy=None)."
+        )
     if not isinstance(variable._value, DTensor):
         return original(variable, dtype)
     full = tensors.full_value(variable._value.detach())
