@@ -112,7 +112,7 @@ def _check_all_boxes(make, shape, pieces, dtype="float32", path="v"):
         assert np.array_equal(got, expected), (shape, pieces, box)
 
 
-@pytest.fixture(params=[16, 48, None], ids=["chunk16", "chunk48", "chunk_default"])
+@pytest.fixture(params=[48, None], ids=["chunk48", "chunk_default"])
 def chunk_draws(request, monkeypatch):
     if request.param is not None:
         monkeypatch.setattr(sharded_init, "CHUNK_DRAWS", request.param)
