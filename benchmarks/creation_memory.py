@@ -103,51 +103,6 @@ def _layouts(width, layers):
     return axes
 
 
-def _patch_stream_block():
-    """EXPERIMENT, not the package: `sharded_init._stream_block` writing each
-    chunk's slice into a preallocated block, so that at most one chunk is
-    alive (the package's version keeps views of every chunk it draws until
-    the final `torch.cat`). Same draws, same values."""
-    import math
-
-    import torch
-
-    from keras_torch_distribution import _keras_compat
-    from keras_torch_distribution import layouts
-    from keras_torch_distribution import sharded_init
-
-    def stream_block(call, shape, torch_dtype, box, max_draws=None):
-        max_draws = max_draws or sharded_init.CHUNK_DRAWS
-        generator = _keras_compat.keras_generator_for_seed(call.seed)
-        if generator.device.type != "cpu":
-            seed = generator.initial_seed()
-            generator = torch.Generator()
-            generator.manual_seed(seed)
-        draws_per_value = 4 if call.kind == "truncated_normal" else 1
-        shape = tuple(int(n) for n in shape)
-        row_shape = shape[1:]
-        draws_per_row = math.prod(row_shape) * draws_per_value
-        (row_lo, row_hi), inner = box[0], layouts.box_slices(box[1:])
-        out = torch.empty(tuple(hi - lo for lo, hi in box), dtype=torch_dtype)
-        for start, stop in sharded_init._row_groups(
-            shape[0], draws_per_row, max_draws
-        ):
-            if start >= row_hi:
-                break
-            chunk = sharded_init._draw(
-                call, (stop - start,) + row_shape, torch_dtype, generator
-            )
-            lo, hi = max(start, row_lo), min(stop, row_hi)
-            if lo < hi:
-                out[lo - row_lo : hi - row_lo].copy_(
-                    chunk[lo - start : hi - start][(slice(None),) + inner]
-                )
-            del chunk
-        return out
-
-    sharded_init._stream_block = stream_block
-
-
 def worker(case):
     import keras
     import torch
@@ -163,8 +118,6 @@ def worker(case):
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
     axes = _layouts(width, layers)
-    if case == "ours_fixed_stream":
-        _patch_stream_block()
     if case.startswith("ours"):
         layout_map = keras.distribution.LayoutMap(mesh)
         for path, entry in axes.items():
@@ -294,7 +247,6 @@ def main():
     plan = [("default_malloc", "ours"), ("default_malloc", "naive")]
     if not args.quick:
         plan += [
-            ("default_malloc", "ours_fixed_stream"),
             ("mmap_threshold_1MiB", "ours"),
             ("mmap_threshold_1MiB", "naive"),
         ]
