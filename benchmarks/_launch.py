@@ -19,18 +19,12 @@ import sys
 import tempfile
 import time
 
+from keras_torch_distribution import testing
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
-WORKER_ENV = {
-    "KERAS_BACKEND": "torch",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "KTD_DEVICE": "cpu",
-    "CUDA_VISIBLE_DEVICES": "",
-    "PYTHONWARNINGS": "ignore",
-    "TF_CPP_MIN_LOG_LEVEL": "3",
-}
+WORKER_ENV = dict(testing.WORKER_ENV, TF_CPP_MIN_LOG_LEVEL="3")
 
 
 def free_port():

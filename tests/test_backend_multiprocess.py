@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from keras_torch_distribution.testing import ProcessGroupPool
+from keras_torch_distribution.testing import environment
 
 pytestmark = pytest.mark.slow
 
@@ -477,67 +478,52 @@ _KERAS_KEYS = (
 
 def _initialize_from_keras_env(address, world, rank_by_pid):
     """Keras' own variables (read by keras.distribution.initialize)."""
+    rank = rank_by_pid[os.getpid()]
+    _forget_seeds()
+    values = {
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": address,
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": str(world),
+        "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
+    }
+    with environment(values):
+        return _initialize_and_describe()
+
+
+def _initialize_and_describe(wrong_world=None):
+    """initialize() from the environment, twice; then what it set up."""
     import keras
     import torch.distributed as dist
 
-    rank = rank_by_pid[os.getpid()]
-    _forget_seeds()
-    saved = {key: os.environ.get(key) for key in _KERAS_KEYS}
-    os.environ.update(
-        KERAS_DISTRIBUTION_JOB_ADDRESSES=address,
-        KERAS_DISTRIBUTION_NUM_PROCESSES=str(world),
-        KERAS_DISTRIBUTION_PROCESS_ID=str(rank),
-    )
     try:
         keras.distribution.initialize()
         keras.distribution.initialize()  # harmless
-        return {
+        result = {
             "rank": dist.get_rank(),
             "world": dist.get_world_size(),
             "devices": keras.distribution.list_devices(),
             "weights": _unseeded_model_weights(),
         }
+        if wrong_world is not None:
+            result["wrong_world"] = _error_of(
+                keras.distribution.initialize, num_processes=wrong_world
+            )
+        return result
     finally:
         _destroy()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _initialize_from_torchrun_env(port, world, rank_by_pid):
-    import keras
-    import torch.distributed as dist
-
     rank = rank_by_pid[os.getpid()]
     _forget_seeds()
-    saved = {key: os.environ.get(key) for key in _TORCHRUN_KEYS}
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    try:
-        keras.distribution.initialize()
-        keras.distribution.initialize()  # harmless
-        wrong_world = _error_of(keras.distribution.initialize, num_processes=world + 1)
-        return {
-            "rank": dist.get_rank(),
-            "world": dist.get_world_size(),
-            "devices": keras.distribution.list_devices(),
-            "wrong_world": wrong_world,
-            "weights": _unseeded_model_weights(),
-        }
-    finally:
-        _destroy()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    values = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    with environment(values):
+        return _initialize_and_describe(wrong_world=world + 1)
 
 
 def _reinitialize(first_url, second_url, rank_by_pid):
@@ -575,18 +561,10 @@ def _torchrun_env_mismatch(world, rank_by_pid):
     import torch.distributed as dist
 
     rank = rank_by_pid[os.getpid()]
-    saved = {key: os.environ.get(key) for key in _TORCHRUN_KEYS}
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    try:
+    with environment({"RANK": str(rank), "WORLD_SIZE": str(world)}):
         found = _error_of(keras.distribution.initialize, num_processes=world + 2)
         devices = _error_of(keras.distribution.list_devices)
         return found, devices, dist.is_initialized()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _pid():

@@ -99,7 +99,7 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
             timeout=timeout,
         )
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
         if num_processes is not None and int(num_processes) != world:
             raise ValueError(
                 f"initialize(num_processes={num_processes}) but torchrun "

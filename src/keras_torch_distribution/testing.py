@@ -40,7 +40,9 @@ class WorkerError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _environment(values):
+def environment(values):
+    """Set environment variables (None unsets one) for the block, then
+    restore them."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update({k: v for k, v in values.items() if v is not None})
     for key, value in values.items():
@@ -104,7 +106,7 @@ class ProcessGroupPool:
         self.env = dict(WORKER_ENV, **(env or {}))
         context = multiprocessing.get_context("spawn")
         rendezvous = os.path.join(self._directory, "rendezvous")
-        with _environment(self.env):
+        with environment(self.env):
             for rank in range(world_size):
                 parent_end, child_end = context.Pipe()
                 process = context.Process(
