@@ -138,3 +138,12 @@ def save(name, payload):
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
     return path
+
+
+def main_or_worker(main, worker):
+    """A benchmark script is the driver, or (under BENCH_WORKER) a worker."""
+    case = os.environ.get("BENCH_WORKER")
+    if case:
+        worker(case)
+    else:
+        main()

@@ -45,7 +45,6 @@ def _data(rows, seed=0):
 
 def _keras_worker(distributed, steps, warmup):
     import keras
-    import numpy as np
     import torch
 
     import keras_torch_distribution  # noqa: F401
@@ -212,7 +211,4 @@ def main():
 
 
 if __name__ == "__main__":
-    if os.environ.get("BENCH_WORKER"):
-        worker(os.environ["BENCH_WORKER"])
-    else:
-        main()
+    _launch.main_or_worker(main, worker)

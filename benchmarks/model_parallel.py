@@ -239,7 +239,4 @@ def main():
 
 
 if __name__ == "__main__":
-    if os.environ.get("BENCH_WORKER"):
-        worker(os.environ["BENCH_WORKER"])
-    else:
-        main()
+    _launch.main_or_worker(main, worker)
