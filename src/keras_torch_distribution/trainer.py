@@ -7,6 +7,8 @@ states are summed over replicas before results are computed), and the
 predict function (predictions of every replica are gathered in order).
 """
 
+import weakref
+
 import keras
 import torch
 import torch.distributed as dist
@@ -15,11 +17,13 @@ from torch.distributed.tensor import DTensor
 from keras_torch_distribution import _keras_compat
 from keras_torch_distribution import data
 from keras_torch_distribution import gradients
+from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution import tensors
 
 _apply_depth = [0]
+_reducers = weakref.WeakKeyDictionary()  # optimizer -> OverlappedReducer
 
 
 def _plain(value):
@@ -59,9 +63,12 @@ def optimizer_apply(original, optimizer, grads, trainable_variables=None):
 
 
 def _synchronize(optimizer, grads, variables, group):
+    steps = optimizer.gradient_accumulation_steps
+    reducer = None if steps else _overlapped_reducer(optimizer, variables, group)
+    if reducer is not None and reducer.finish(grads):
+        return
     local = [gradients.local_part(g) for g in grads if g is not None]
     scale = data.batch_scale()
-    steps = optimizer.gradient_accumulation_steps
     if steps:
         # Accumulate local gradients; average once per real step, together
         # with what was accumulated.
@@ -75,6 +82,24 @@ def _synchronize(optimizer, grads, variables, group):
         local += [gradients.local_part(_keras_compat.raw_value(a)) for a in accumulators]
         scale = 1.0
     gradients.all_reduce_mean(local, group.group, group.count, scale)
+
+
+def _overlapped_reducer(optimizer, variables, group):
+    """The optimizer's overlapped reducer when every trainable variable is a
+    plain tensor (data parallelism); None otherwise. Built on the first step
+    (whose gradients are then averaged synchronously), reused after."""
+    params = [_keras_compat.raw_value(v) for v in variables]
+    reducer = _reducers.get(optimizer)
+    if reducer is not None and [id(p) for p in reducer.params] == [id(p) for p in params]:
+        return reducer
+    if reducer is not None:
+        reducer.remove()
+        del _reducers[optimizer]
+    if any(isinstance(p, DTensor) or not p.requires_grad for p in params):
+        return None
+    reducer = overlap.OverlappedReducer(params, group.group, group.count)
+    _reducers[optimizer] = reducer
+    return reducer
 
 
 def metrics_result(original, model):
