@@ -331,17 +331,35 @@ def _check_against(reference, results, rules_sharded):
         assert got["eval_is_plain"]
         _close(got["loss"], reference["loss"], f"{where} loss")
         _close(got["grads"], reference["grads"], f"{where} grads")
+        # A gradient that is zero in exact arithmetic (an attention key bias:
+        # softmax ignores a per-query constant) is rounding noise, which
+        # Adam normalizes into full-size steps; compare those under SGD only.
+        noise = {
+            path for path, g in reference["grads"].items()
+            if np.max(np.abs(g)) < 1e-6
+        }
         for name in ("sgd", "adam"):
+            skip = noise if name == "adam" else set()
             _close(got[f"{name}_losses"], reference[f"{name}_losses"], f"{where} {name} losses")
-            _close(got[f"{name}_weights"], reference[f"{name}_weights"], f"{where} {name} weights")
             _close(
-                {k: v[1] for k, v in got[f"{name}_slots"].items()},
-                {k: v[1] for k, v in reference[f"{name}_slots"].items()},
+                {k: v for k, v in got[f"{name}_weights"].items() if k not in skip},
+                {k: v for k, v in reference[f"{name}_weights"].items() if k not in skip},
+                f"{where} {name} weights",
+            )
+            _close(
+                {k: v[1] for k, v in got[f"{name}_slots"].items()
+                 if not any(_slot_prefix(p) in k for p in skip)},
+                {k: v[1] for k, v in reference[f"{name}_slots"].items()
+                 if not any(_slot_prefix(p) in k for p in skip)},
                 f"{where} {name} slots",
             )
             assert got[f"{name}_iterations_grad"] is False
         _close(got["fit_loss"], reference["fit_loss"], f"{where} fit loss")
-        _close(got["fit_weights"], reference["fit_weights"], f"{where} fit weights")
+        _close(
+            {k: v for k, v in got["fit_weights"].items() if k not in noise},
+            {k: v for k, v in reference["fit_weights"].items() if k not in noise},
+            f"{where} fit weights (Adam)",
+        )
         # Shards: the variables the rules name are split, the rest whole.
         for path, (shape, local, placements, nbytes) in got["shards"].items():
             full_bytes = reference["shards"][path][3]
@@ -354,95 +372,28 @@ def _check_against(reference, results, rules_sharded):
                 assert nbytes == full_bytes
 
 
+def _slot_prefix(path):
+    """How Keras names optimizer slots of a variable: its path, '/' -> '_'."""
+    return path.replace("/", "_")
+
+
 def _sharded_by(rules):
     import re
 
     return lambda path: any(re.search(p, path) for p in rules)
 
 
-CONV_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "torch 2.13 DTensor's aten.convolution prop rule (torch/distributed/"
-        "tensor/_ops/_conv_ops.py convolution_rules) ignores the weight's "
-        "placements: a kernel sharded on output channels gives an output "
-        "labelled Replicate whose local tensor has only the local channels "
-        "(then 'size of tensor a (2) must match ... (4)' at the bias add), and "
-        "convolution_backward labels grad_weight Partial/replicated. Needs a "
-        "package-level DTensor handler for aten.convolution(/_backward) with "
-        "sharded weights (new module installed by _keras_compat.install)."
-    ),
-)
 
 
-SDPA_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "MultiHeadAttention with heads-sharded query/key/value runs forward, "
-        "but backward raises NotImplementedError: Operator "
-        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default "
-        "does not have a sharding strategy registered (torch 2.13 DTensor, "
-        "CPU). Needs a DTensor strategy for the CPU flash-attention "
-        "forward/backward ops (heads dim sharded -> outputs sharded on "
-        "heads), registered by the package outside variables/tensors."
-    ),
-)
 
 
-PARTIAL_TWICE_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "A vocabulary-sharded Embedding lookup returns a MaskPartial DTensor; "
-        "LayerNormalization, RMSNormalization and a hand-written RMS norm all "
-        "consume it, and the second reduction of the same MaskPartial raises "
-        "AssertionError in placement_types._reduce_value (mask buffer already "
-        "released). Needs Partial DTensor inputs reduced (redistributed to "
-        "Replicate) once at the layer boundary: _keras_compat/trainer "
-        "Layer.__call__ patch (DESIGN.md lesson)."
-    ),
-)
 
 
-@pytest.mark.parametrize("case", ["mlp", "batchnorm"])
+@pytest.mark.parametrize("case", ["mlp", "batchnorm", "conv", "transformer", "attention"])
 def test_matches_one_process_on_2_ranks(pool2, case):
     reference = _reference(case)
     results = pool2.run(numbers, case, "1d")
     _check_against(reference, results, _sharded_by(CASES[case][1]))
-
-
-def guarded_first_step(case, mesh):
-    """Forward, loss and gradients; a failure comes back as its traceback
-    (both ranks fail alike, before any collective), so the pool survives."""
-    import traceback
-
-    try:
-        x, y = _data(case)
-        model = _build(case, mesh)
-        return {"step": _grads(model, x, y, case)}
-    except Exception:  # reported to the parent, which fails the test
-        return {"error": traceback.format_exc()}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param("conv", marks=CONV_XFAIL),
-        pytest.param("transformer", marks=PARTIAL_TWICE_XFAIL),
-        pytest.param("attention", marks=SDPA_XFAIL),
-    ],
-)
-def test_first_step_matches_one_process_on_2_ranks(pool2, case):
-    """Forward, loss and gradients of the models that do not train yet; once
-    they do, move them to test_matches_one_process_on_2_ranks."""
-    keras.backend.clear_session()
-    x, y = _data(case)
-    out, loss, grads = _grads(_build(case, None), x, y, case)
-    keras.backend.clear_session()
-    for rank, got in enumerate(pool2.run(guarded_first_step, case, "1d")):
-        assert "error" not in got, f"rank {rank}:\n{got.get('error')}"
-        _close(got["step"][0], out, f"rank {rank} out")
-        _close(got["step"][1], loss, f"rank {rank} loss")
-        _close(got["step"][2], grads, f"rank {rank} grads")
 
 
 def dropout_runs(mesh):
@@ -654,16 +605,6 @@ def convert_dtensor_value():
     return keras.ops.convert_to_numpy(model.get_layer("col").kernel.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "keras.ops.convert_to_numpy(variable.value) on a sharded variable "
-        "(a DTensor) raises 'RuntimeError: .numpy() is not supported for "
-        "tensor subclasses' in keras/src/backend/torch/core.py "
-        "convert_to_numpy. Needs a seam patch of torch core.convert_to_numpy "
-        "that gathers DTensors (tensors.full_value) first, in _keras_compat."
-    ),
-)
 def test_convert_to_numpy_of_a_dtensor_value(pool2):
     reference = _build("mlp", None).get_layer("col").kernel.numpy()
     for value in pool2.run(convert_dtensor_value):

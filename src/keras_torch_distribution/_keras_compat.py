@@ -16,6 +16,7 @@ from keras.src.backend.torch import random as torch_random
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.initializers import constant_initializers
 from keras.src.initializers import random_initializers
+from keras.src.layers import layer as keras_layer
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer
 from keras.src.trainers import data_adapters
@@ -281,6 +282,7 @@ _installed = []
 def _patch_table():
     from keras_torch_distribution import data
     from keras_torch_distribution import distribution_lib
+    from keras_torch_distribution import tensors
     from keras_torch_distribution import trainer
     from keras_torch_distribution import variables
 
@@ -297,7 +299,8 @@ def _patch_table():
         Patch(TorchVariable, "_direct_assign", variables.direct_assign, wrap=True),
         Patch(TorchVariable, "__array__", variables.to_numpy, wrap=True),
         Patch(TorchVariable, "__repr__", variables.describe, wrap=True),
-        Patch(keras_model.Model, "__call__", trainer.model_call, wrap=True),
+        Patch(keras_backend, "convert_to_numpy", tensors.to_numpy, wrap=True),
+        Patch(keras_layer.Layer, "__call__", trainer.layer_call, wrap=True),
         Patch(base_optimizer.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(
             keras_model.Model, "get_metrics_result", trainer.metrics_result, wrap=True
@@ -355,6 +358,9 @@ def install():
     from keras_torch_distribution import variables
 
     variables.enable_implicit_replication()
+    from keras_torch_distribution import sharding_rules
+
+    sharding_rules.register()
 
 
 def uninstall():

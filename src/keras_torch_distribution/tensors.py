@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 
 from keras_torch_distribution import _keras_compat
@@ -75,3 +76,54 @@ def full_value(value):
         return value.to_local()
     replicated = [Replicate()] * value.device_mesh.ndim
     return value.redistribute(value.device_mesh, replicated).to_local()
+
+
+def to_numpy(original, value):
+    """Keras' `convert_to_numpy`: a DTensor gives its global value.
+
+    Collective for DTensors: call on every rank.
+    """
+    if isinstance(value, DTensor):
+        value = full_value(value.detach())
+    return original(value)
+
+
+def reduce_partial(value):
+    """A DTensor with its partial sums reduced (other placements kept).
+
+    Differentiable: the gradient flows back replicated on the reduced mesh
+    axes. Collective for DTensors with a Partial placement: call on every rank.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    if not any(isinstance(p, Partial) for p in value.placements):
+        return value
+    return _ReducePartial.apply(value)
+
+
+class _ReducePartial(torch.autograd.Function):
+    """Partial -> Replicate forward; the gradient comes back Replicate there.
+
+    DTensor's own `redistribute` would send the gradient back to the source
+    placement, which fails for the masked partial sums of a vocabulary-sharded
+    embedding lookup (Partial(sum) -> MaskPartial is unsupported).
+    """
+
+    @staticmethod
+    def forward(ctx, value):
+        ctx.partial_axes = [isinstance(p, Partial) for p in value.placements]
+        placements = [
+            Replicate() if partial else p
+            for p, partial in zip(value.placements, ctx.partial_axes)
+        ]
+        return value.redistribute(value.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        placements = [
+            Replicate() if partial else p
+            for p, partial in zip(grad.placements, ctx.partial_axes)
+        ]
+        if placements == list(grad.placements):
+            return grad
+        return grad.redistribute(grad.device_mesh, placements)

@@ -21,6 +21,7 @@ from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution import tensors
+from keras_torch_distribution import variables
 
 _apply_depth = [0]
 _reducers = weakref.WeakKeyDictionary()  # optimizer -> OverlappedReducer
@@ -30,14 +31,19 @@ def _plain(value):
     return tensors.full_value(value) if isinstance(value, DTensor) else value
 
 
-def model_call(original, model, *args, **kwargs):
-    """An outermost model call returns plain tensors (the model replica's
-    whole outputs), so losses, metrics and user code never meet DTensors."""
+def layer_call(original, layer, *args, **kwargs):
+    """Keras `Layer.__call__` once sharded variables exist: a layer's
+    partial-sum outputs are reduced at its boundary (so a value every
+    consumer reads, e.g. a vocabulary-sharded embedding lookup feeding two
+    norms, is reduced once), and an outermost call returns plain tensors (the
+    model replica's whole outputs), so losses, metrics and user code never
+    meet DTensors."""
+    if not variables.has_sharded_variables():
+        return original(layer, *args, **kwargs)
     outermost = _keras_compat.in_outer_call()
-    outputs = original(model, *args, **kwargs)
-    if outermost:
-        outputs = keras.tree.map_structure(_plain, outputs)
-    return outputs
+    outputs = original(layer, *args, **kwargs)
+    convert = _plain if outermost else tensors.reduce_partial
+    return keras.tree.map_structure(convert, outputs)
 
 
 def optimizer_apply(original, optimizer, grads, trainable_variables=None):

@@ -22,6 +22,12 @@ from keras_torch_distribution import sharded_init
 from keras_torch_distribution import tensors
 
 _implicit_replication = []
+_sharded_variables_exist = [False]
+
+
+def has_sharded_variables():
+    """True once any variable of this process holds a DTensor."""
+    return _sharded_variables_exist[0]
 
 
 def enable_implicit_replication():
@@ -74,6 +80,8 @@ def _requires_grad(variable, tensor):
 
 
 def _set_value(variable, tensor):
+    if isinstance(tensor, DTensor):
+        _sharded_variables_exist[0] = True
     variable._value = torch.nn.Parameter(
         tensor, requires_grad=_requires_grad(variable, tensor)
     )
