@@ -282,6 +282,7 @@ _installed = []
 def _patch_table():
     from keras_torch_distribution import data
     from keras_torch_distribution import distribution_lib
+    from keras_torch_distribution import saving
     from keras_torch_distribution import tensors
     from keras_torch_distribution import trainer
     from keras_torch_distribution import variables
@@ -313,6 +314,8 @@ def _patch_table():
             wrap=True,
         ),
         Patch(keras_model.Model, "fit", trainer.quiet_on_other_ranks, wrap=True),
+        Patch(keras_model.Model, "save", saving.save, wrap=True),
+        Patch(keras_model.Model, "save_weights", saving.save_weights, wrap=True),
         Patch(keras_model.Model, "evaluate", trainer.quiet_on_other_ranks, wrap=True),
         Patch(keras_model.Model, "predict", trainer.quiet_on_other_ranks, wrap=True),
     ]

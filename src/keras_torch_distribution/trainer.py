@@ -20,6 +20,7 @@ from keras_torch_distribution import gradients
 from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
+from keras_torch_distribution import saving
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
 
@@ -197,7 +198,9 @@ def _gather_rows(tensor, group):
 
 
 def quiet_on_other_ranks(original, model, *args, **kwargs):
-    """fit / evaluate / predict print progress on rank 0 only."""
+    """fit / evaluate / predict print progress, and file-writing callbacks
+    write, on rank 0 only."""
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
+        kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))
     return original(model, *args, **kwargs)
