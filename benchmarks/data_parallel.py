@@ -24,6 +24,7 @@ per-process work, so 1.0 is perfect scaling of the global batch).
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -170,27 +171,39 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of all four cases, interleaved; each "
+                             "case reports the median over rounds")
     args = parser.parse_args()
     env = {"BENCH_STEPS": str(args.steps), "BENCH_WARMUP": str(args.warmup)}
     print(f"data parallel: {LAYERS} x Dense({WIDTH}) MLP, Adam, global batch "
           f"{GLOBAL_BATCH}, {args.steps} timed steps after {args.warmup}",
           flush=True)
     plan = [("keras_dp", 2), ("torch_ddp", 2), ("keras_1p", 1), ("torch_1p", 1)]
-    runs = {}
-    for case, nproc in plan:
-        runs[case] = _launch.launch(
-            os.path.abspath(__file__), case, nproc, timeout=150, extra_env=env
-        )
-    step_ms = {case: max(r["median_ms"] for r in ranks) for case, ranks in runs.items()}
+    runs = {case: [] for case, _ in plan}
+    for _ in range(args.repeats):
+        for case, nproc in plan:
+            runs[case].append(_launch.launch(
+                os.path.abspath(__file__), case, nproc, timeout=150, extra_env=env
+            ))
+    # Each round: the slower rank's median; each case: the median over rounds.
+    rounds_ms = {
+        case: [max(r["median_ms"] for r in ranks) for ranks in rounds]
+        for case, rounds in runs.items()
+    }
+    step_ms = {case: statistics.median(ms) for case, ms in rounds_ms.items()}
     ratios = {
         "keras_dp_over_torch_ddp": step_ms["keras_dp"] / step_ms["torch_ddp"],
         "keras_1p_over_torch_1p": step_ms["keras_1p"] / step_ms["torch_1p"],
         "overhead_keras_dp_2p_over_1p": step_ms["keras_dp"] / step_ms["keras_1p"],
         "overhead_torch_ddp_2p_over_1p": step_ms["torch_ddp"] / step_ms["torch_1p"],
     }
+    ratios["overhead_keras_over_overhead_torch"] = (
+        ratios["overhead_keras_dp_2p_over_1p"] / ratios["overhead_torch_ddp_2p_over_1p"]
+    )
     payload = {
         "benchmark": "data_parallel",
-        "machine": dict(_launch.machine(), keras=runs["keras_dp"][0]["keras"]),
+        "machine": dict(_launch.machine(), keras=runs["keras_dp"][0][0]["keras"]),
         "model": {"layers": LAYERS, "width": WIDTH, "global_batch": GLOBAL_BATCH,
                   "per_process_batch": GLOBAL_BATCH // 2, "optimizer": "Adam",
                   "loss": "mse"},
@@ -199,12 +212,13 @@ def main():
                   "backward/step. Median of timed steps after warm-up; 2-process "
                   "cases report the slower rank's median.",
         "step_ms": step_ms,
+        "rounds_ms": rounds_ms,
         "ratios": ratios,
         "runs": runs,
     }
     for case, ms in step_ms.items():
-        losses = [round(r["final_loss"], 5) for r in runs[case]]
-        print(f"  {case:10} median step {ms:8.2f} ms   final loss per rank {losses}")
+        rounds = [round(m, 1) for m in rounds_ms[case]]
+        print(f"  {case:10} median step {ms:8.2f} ms   rounds {rounds}")
     for name, value in ratios.items():
         print(f"  {name:32} {value:.3f}")
     _launch.save("data_parallel", payload)

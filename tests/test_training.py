@@ -198,3 +198,33 @@ def early_stopping():
 
 def test_early_stopping_decides_the_same_on_every_rank(pool2):
     assert pool2.run(early_stopping) == [2, 2]
+
+
+def train_with_validation(kind, how):
+    """fit with validation_data or validation_split; history per epoch."""
+    import keras
+
+    _set_distribution(kind)
+    model = _model()
+    x, y = _data()
+    if how == "data":
+        extra = {"validation_data": (x[:24], y[:24])}
+    else:
+        extra = {"validation_split": 0.25}
+    reduce_lr = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=0, factor=0.5)
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False,
+                        callbacks=[reduce_lr], **extra)
+    keras.distribution.set_distribution(None)
+    return history.history, [np.asarray(v) for v in model.weights]
+
+
+@pytest.mark.parametrize("how", ["data", "split"])
+def test_validation_and_reduce_lr_match_one_process(pool2, how):
+    ref_history, ref_weights = train_with_validation(None, how)
+    for history, weights in pool2.run(train_with_validation, "dp", how):
+        assert history.keys() == ref_history.keys()
+        assert "val_loss" in history and "learning_rate" in history
+        for key in ref_history:
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4, atol=2e-5)
+        for w, r in zip(weights, ref_weights):
+            np.testing.assert_allclose(w, r, rtol=1e-4, atol=2e-5)

@@ -48,7 +48,8 @@ def callbacks_for_this_rank(callbacks):
     """On ranks other than 0, point file-writing callbacks at nowhere."""
     if runtime.process_id() == 0 or not callbacks:
         return callbacks
-    for callback in callbacks:
+    # A list, or Keras' CallbackList (fit passes one to evaluate).
+    for callback in getattr(callbacks, "callbacks", callbacks):
         if isinstance(callback, keras.callbacks.CSVLogger):
             callback.filename = os.devnull
         elif isinstance(callback, keras.callbacks.TensorBoard):
