@@ -1,22 +1,57 @@
-"""`ktd run` starts scripts on 2 local processes (the README's demo too)."""
+"""`ktd run` starts scripts on local processes: the README's demo, the
+examples, an unchanged Keras script, 2 simulated nodes, and failing ranks.
+
+Every launch runs in its own session with a timeout; on timeout that
+session (the launcher and the ranks it started) is killed.
+"""
 
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
+
+from keras_torch_distribution import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _ktd_run(*args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", KTD_DEVICE="cpu")
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", KTD_DEVICE="cpu", **extra)
     env.pop("KERAS_BACKEND", None)
-    return subprocess.run(
-        [sys.executable, "-m", "keras_torch_distribution", "run", "-n", "2", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _start(args, env):
+    """`ktd ARGS` in a new session (so that it and its ranks can be killed)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "keras_torch_distribution", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
     )
+
+
+def _finish(process, timeout):
+    """CompletedProcess of a started launch; kills its session on timeout."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the session this test started
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"ktd did not finish within {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _ktd_run(*args, n=2, timeout=240, **env):
+    return _finish(_start(["run", "-n", str(n), *args], _env(**env)), timeout)
 
 
 @pytest.mark.slow
@@ -44,3 +79,184 @@ def test_unchanged_keras_script_runs_on_torch():
     assert len(reports) == 2, result.stdout
     assert all(r[:2] == ("2", "torch") for r in reports)
     assert reports[0][2] == reports[1][2]
+
+
+# --------------------------------------------------------------------------
+# Arguments handed to torchrun
+# --------------------------------------------------------------------------
+
+_LAUNCH = ["-m", "keras_torch_distribution.launch"]
+
+
+def test_torchrun_arguments_one_node_is_standalone():
+    assert launch.torchrun_arguments(["-n", "2", "train.py", "--lr", "0.1"]) == [
+        "--nproc-per-node", "2", "--standalone", *_LAUNCH, "train.py", "--lr", "0.1"
+    ]
+    assert launch.torchrun_arguments(["-n=2", "--nnodes=1", "--max-restarts", "1",
+                                      "train.py"]) == [
+        "--nproc-per-node=2", "--nnodes=1", "--max-restarts", "1", "--standalone",
+        *_LAUNCH, "train.py",
+    ]
+    # A flag (no value) before the script is not mistaken for taking it.
+    assert launch.torchrun_arguments(["--virtual-local-rank", "-n", "2", "t.py"]) == [
+        "--virtual-local-rank", "--nproc-per-node", "2", "--standalone", *_LAUNCH, "t.py"
+    ]
+
+
+def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
+    argv = ["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "127.0.0.1:29400", "-n", "1", "train.py", "-x"]
+    assert launch.torchrun_arguments(argv) == [
+        "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "127.0.0.1:29400", "--nproc-per-node", "1",
+        *_LAUNCH, "train.py", "-x",
+    ]
+    # One node at a given address (static rendezvous): no --standalone either.
+    assert "--standalone" not in launch.torchrun_arguments(
+        ["--master-addr", "10.0.0.1", "--master_port=29500", "-n", "2", "t.py"]
+    )
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "2"], r"give a script to run, e.g. `ktd run -n 2 train.py`"),
+    (["-n"], r"option --nproc-per-node needs a value"),
+    (["-m", "pkg.train"], r"torchrun's -m is not supported: `ktd run` runs a Python script"),
+    (["--no-python", "echo"], r"torchrun's --no-python is not supported"),
+])
+def test_torchrun_arguments_errors(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        launch.torchrun_arguments(argv)
+
+
+# --------------------------------------------------------------------------
+# Two nodes x 1 process on this machine (c10d rendezvous)
+# --------------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_NUMBERS = re.compile(r"rank=(\d) world=(\d) losses=(\[[^\]]*\]) weight_sums=(\[[^\]]*\])")
+
+
+def _numbers(output):
+    return sorted(_NUMBERS.findall(output))
+
+
+@pytest.mark.slow
+def test_two_nodes_give_the_numbers_of_one_node():
+    script = "tests/scripts/dp_train.py"
+    one_node = _ktd_run(script)
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    expected = _numbers(one_node.stdout)
+    assert [r[:2] for r in expected] == [("0", "2"), ("1", "2")], one_node.stdout
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [
+        _start(["run", "--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint, "--rdzv-id", "ktd-test", "-n", "1", script],
+               _env())
+        for node in (0, 1)
+    ]
+    try:
+        results = [_finish(node, 180) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.communicate()
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    got = _numbers("".join(r.stdout for r in results))
+    assert [r[:2] for r in got] == [("0", "2"), ("1", "2")], [r.stdout for r in results]
+    # Same losses and weights, printed to 6 decimals.
+    assert [r[2:] for r in got] == [r[2:] for r in expected]
+
+
+# --------------------------------------------------------------------------
+# A failing rank never leaves the others waiting
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_mid_fit_ends_the_job():
+    start = time.monotonic()
+    result = _ktd_run("tests/scripts/rank_fails.py", "raise", timeout=90)
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert result.returncode != 0
+    assert "finished training" not in result.stdout
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith(
+        "ktd run: rank 1 (local rank 1) failed first, exit code 1: RuntimeError: "
+        "deliberate failure on rank 1 after epoch 1."
+    ), result.stderr[-3000:]
+    assert "torchrun stopped the other processes" in summary
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_times_out():
+    """Rank 1 sleeps instead of training: rank 0's gradient all-reduce gives
+    up after KTD_TIMEOUT_SECONDS (the process group's timeout), and torchrun
+    then stops rank 1."""
+    start = time.monotonic()
+    result = _ktd_run("tests/scripts/rank_fails.py", "stall", timeout=120,
+                      KTD_TIMEOUT_SECONDS="5")
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert result.returncode != 0
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("ktd run: rank 0 (local rank 0) failed first"), summary
+    assert "Timed out waiting 5000ms" in summary, summary
+
+
+# --------------------------------------------------------------------------
+# Examples
+# --------------------------------------------------------------------------
+
+
+def _losses(output, label="loss per epoch:"):
+    lines = [line for line in output.splitlines() if line.startswith(label)]
+    assert len(lines) == 1, output  # printed by rank 0 only
+    return eval(lines[0][len(label):])  # a printed list of floats
+
+
+@pytest.mark.slow
+def test_example_data_parallel_classifier():
+    result = _ktd_run("examples/data_parallel_classifier.py", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = _losses(result.stdout)
+    assert losses[-1] < losses[0] / 2
+    accuracy = float(re.search(r"test loss \S+ accuracy (\S+)", result.stdout).group(1))
+    assert accuracy > 0.9
+    assert "predictions (512, 4)" in result.stdout
+
+
+@pytest.mark.slow
+def test_example_transformer_language_model():
+    result = _ktd_run("examples/transformer_lm.py", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = _losses(result.stdout)
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 2
+    out = result.stdout
+    # vocabulary-, head- and column/row-sharded, each rank holding half
+    assert re.search(r"token_embedding/embeddings +\(64, 32\) +\('model', None\) "
+                     r"+\(32, 32\) +\(32, 32\)", out), out
+    assert re.search(r"block0_attention/query/kernel +\(32, 4, 8\) .* +\(32, 2, 8\) "
+                     r"+\(32, 2, 8\)", out), out
+    assert re.search(r"block1_mlp_down/kernel +\(64, 32\) +\('model', None\) "
+                     r"+\(32, 32\) +\(32, 32\)", out), out
+
+
+@pytest.mark.slow
+def test_example_hybrid_2d_mesh_on_4_processes():
+    result = _ktd_run("examples/hybrid_2d_mesh.py", n=4, timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh {'batch': 2, 'model': 2} over 4 processes" in result.stdout
+    losses = _losses(result.stdout)
+    assert losses == sorted(losses, reverse=True)
+    assert re.search(r"up/kernel +\(32, 128\) +\(None, 'model'\)( +\(32, 64\)){4}",
+                     result.stdout), result.stdout

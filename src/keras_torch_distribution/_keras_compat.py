@@ -153,6 +153,20 @@ def wrap_data_adapter(adapter, transform, num_batches):
     return _WrappedDataAdapter(adapter, transform, num_batches)
 
 
+def set_initial_epoch(model, epoch):
+    """Make the next `fit` start at `epoch` (as BackupAndRestore does)."""
+    model._initial_epoch = epoch
+
+
+def layer_seed_states(model):
+    """(layer name, [state variables of its SeedGenerators]) for every layer
+    of `model`, nested ones included."""
+    return [
+        (layer.name, [generator.state for generator in layer._seed_generators])
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+    ]
+
+
 def current_distribution():
     """The distribution set with `keras.distribution.set_distribution`."""
     return global_state.get_global_attribute("distribution")
@@ -280,6 +294,7 @@ _installed = []
 
 
 def _patch_table():
+    from keras_torch_distribution import checkpoint
     from keras_torch_distribution import data
     from keras_torch_distribution import distribution_lib
     from keras_torch_distribution import saving
@@ -318,6 +333,14 @@ def _patch_table():
         Patch(keras_model.Model, "save_weights", saving.save_weights, wrap=True),
         Patch(keras_model.Model, "evaluate", trainer.quiet_on_other_ranks, wrap=True),
         Patch(keras_model.Model, "predict", trainer.quiet_on_other_ranks, wrap=True),
+        Patch(keras.callbacks.BackupAndRestore, "_save_model", checkpoint.backup_save, wrap=True),
+        Patch(keras.callbacks.BackupAndRestore, "_load_model", checkpoint.backup_load, wrap=True),
+        Patch(
+            keras.callbacks.BackupAndRestore,
+            "on_train_end",
+            checkpoint.backup_train_end,
+            wrap=True,
+        ),
     ]
 
 

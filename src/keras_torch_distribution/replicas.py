@@ -34,18 +34,30 @@ class Replicas:
 
 _SINGLE = Replicas(1, 0, None)
 _cache = {}
+# (distribution, world group, Replicas) of the last call: current() runs
+# several times per step (optimizer apply, metric reduction), and the mesh
+# key (every device name of the mesh) costs more than the step's other
+# bookkeeping. A Distribution's mesh and batch axis never change; a new
+# process group (destroyed and started again) is a new world group.
+_last = [None, None, None]
 
 
 def current():
     """The replicas of the current distribution (one when there is none)."""
     distribution = _keras_compat.current_distribution()
-    if distribution is None or runtime.num_processes() == 1:
+    if distribution is None:
+        return _SINGLE
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if distribution is _last[0] and world is _last[1]:
+        return _last[2]
+    if runtime.num_processes() == 1:
         return _SINGLE
     key = (layouts.mesh_key(distribution.device_mesh), distribution.batch_dim_name)
     replicas = _cache.get(key)
     if replicas is None:
         replicas = _build(distribution)
         _cache[key] = replicas
+    _last[:] = [distribution, world, replicas]
     return replicas
 
 
@@ -82,3 +94,4 @@ def _axes_sharding_variables(distribution):
 
 def clear_cache():
     _cache.clear()
+    _last[:] = [None, None, None]

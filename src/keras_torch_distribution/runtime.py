@@ -163,12 +163,33 @@ def _init_process_group(**kwargs):
         dist.init_process_group(backend=_backend(), **kwargs)
         atexit.register(_shutdown)
     except (RuntimeError, ValueError, TimeoutError) as error:
-        raise RuntimeError(
-            f"torch.distributed could not start ({error}). Check that every "
-            "process was started with the same coordinator address and "
-            "number of processes, that process 0 is reachable, and raise "
-            "KTD_TIMEOUT_SECONDS if peers start slowly."
-        ) from error
+        raise RuntimeError(_start_failure_message(error, kwargs)) from error
+
+
+def _start_failure_message(error, kwargs):
+    """Why the process group did not start, with what was tried and the fix."""
+    init_method = kwargs.get("init_method")
+    if init_method == "env://":
+        init_method = (
+            f"env:// (MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')!r})"
+        )
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    else:
+        rank, world = kwargs.get("rank"), kwargs.get("world_size")
+        if init_method is None:
+            init_method = "an in-process store (a world of one process)"
+    seconds = kwargs["timeout"].total_seconds()
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+    return (
+        f"torch.distributed could not start process {rank} of {world} at "
+        f"{init_method} within KTD_TIMEOUT_SECONDS={seconds:g} s: "
+        f"{first_line} Check that every process was started with the same "
+        "coordinator address (process 0's host:port, reachable from every "
+        "process, with the port free on process 0's host) and the same number "
+        "of processes, that all of them were started, and raise "
+        "KTD_TIMEOUT_SECONDS if peers start slowly."
+    )
 
 
 def ensure_initialized():

@@ -7,6 +7,7 @@ states are summed over replicas before results are computed), and the
 predict function (predictions of every replica are gathered in order).
 """
 
+import types
 import weakref
 
 import keras
@@ -23,9 +24,12 @@ from keras_torch_distribution import runtime
 from keras_torch_distribution import saving
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
+from keras_torch_distribution.log import warn_once
 
 _apply_depth = [0]
 _reducers = weakref.WeakKeyDictionary()  # optimizer -> OverlappedReducer
+_compiled_forwards = weakref.WeakKeyDictionary()  # model -> _CompiledForward
+_active_forward = [None]  # (model, _CompiledForward) while a compiled step runs
 
 
 def _plain(value):
@@ -38,13 +42,26 @@ def layer_call(original, layer, *args, **kwargs):
     consumer reads, e.g. a vocabulary-sharded embedding lookup feeding two
     norms, is reduced once), and an outermost call returns plain tensors (the
     model replica's whole outputs), so losses, metrics and user code never
-    meet DTensors."""
+    meet DTensors. A model compiled with `jit_compile=True` under a
+    distribution runs its outermost call through `torch.compile`."""
+    outermost = _keras_compat.in_outer_call()
+    if outermost:
+        active = _active_forward[0]
+        if active is not None and active[0] is layer and not torch.compiler.is_compiling():
+            return active[1](original, layer, *args, **kwargs)
+    return _layer_call(original, layer, outermost, *args, **kwargs)
+
+
+def _layer_call(original, layer, outermost, *args, **kwargs):
     if not variables.has_sharded_variables():
         return original(layer, *args, **kwargs)
-    outermost = _keras_compat.in_outer_call()
     outputs = original(layer, *args, **kwargs)
     convert = _plain if outermost else tensors.reduce_partial
     return keras.tree.map_structure(convert, outputs)
+
+
+def _outermost_call(original, layer, *args, **kwargs):
+    return _layer_call(original, layer, True, *args, **kwargs)
 
 
 def optimizer_apply(original, optimizer, grads, trainable_variables=None):
@@ -52,6 +69,15 @@ def optimizer_apply(original, optimizer, grads, trainable_variables=None):
     over data-parallel replicas, then apply. Collective: call on every rank."""
     if _apply_depth[0] or len(grads) == 0:
         return original(optimizer, grads, trainable_variables)
+    if torch.compiler.is_compiling():
+        # Inside a torch.compile'd train step: gradient sync (collectives,
+        # gradient hooks) and the update run eagerly, between the compiled
+        # forward/backward graphs.
+        return _eager_apply(original, optimizer, grads, trainable_variables)
+    return _apply(original, optimizer, grads, trainable_variables)
+
+
+def _apply(original, optimizer, grads, trainable_variables):
     variables = trainable_variables
     if variables is None:
         variables = _keras_compat.optimizer_variables(optimizer)
@@ -67,6 +93,11 @@ def optimizer_apply(original, optimizer, grads, trainable_variables=None):
         return original(optimizer, grads, trainable_variables)
     finally:
         _apply_depth[0] -= 1
+
+
+_eager_apply = torch._dynamo.disable(
+    _apply, reason="keras_torch_distribution: gradient sync runs eagerly"
+)
 
 
 def _synchronize(optimizer, grads, variables, group):
@@ -199,8 +230,135 @@ def _gather_rows(tensor, group):
 
 def quiet_on_other_ranks(original, model, *args, **kwargs):
     """fit / evaluate / predict print progress, and file-writing callbacks
-    write, on rank 0 only."""
+    write, on rank 0 only; a model compiled with `jit_compile=True` under a
+    distribution gets the step functions of `_prepare_compiled_steps`.
+    Variables created before the distribution was set, that it would shard,
+    get one warning each."""
+    variables.warn_if_created_outside(
+        model.variables, _keras_compat.current_distribution()
+    )
+    _prepare_compiled_steps(model)
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
         kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))
     return original(model, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# jit_compile=True under a distribution.
+#
+# Keras' torch trainer compiles its whole per-step function. Under a
+# distribution that cannot work as such: `loss.backward()` breaks the graph
+# and the autograd engine then runs AOTAutograd's DTensor backward wrappers
+# inside the compiling frame, where dynamo fails on their symbolic shapes
+# (torch 2.13); the gradient hooks of the overlapped all-reduce and c10d
+# collectives with async_op=True break the graph on every bucket. So the step
+# stays Keras' own eager step (train_step / test_step / predict_step, user
+# overrides included) and the model's outermost call -- forward, DTensor
+# redistributions as functional collectives, the conversion to plain
+# outputs -- runs through torch.compile; its backward is AOTAutograd's
+# compiled backward. Gradient sync and the optimizer update run eagerly,
+# overlapped with that backward as without compilation.
+# ---------------------------------------------------------------------------
+
+
+class _CompiledForward:
+    """A model's outermost call through torch.compile; eager (after one
+    warning) once torch.compile cannot handle it."""
+
+    def __init__(self, model):
+        self.model_name = model.name
+        # Static shapes: a dynamic batch dim fails where plain tensors meet
+        # DTensors (implicit replication calls numel() on symbolic sizes,
+        # torch 2.13); a last partial batch costs one recompile instead. A
+        # code object of its own per model keeps each model's compiled
+        # graphs apart from torch's per-code recompile limit. No FX graph
+        # cache: its key leaves out process-group names, so on a 2x2 mesh a
+        # rank loaded another rank's graph and its group name (torch 2.13:
+        # "Could not resolve the process group registered under the name").
+        function = types.FunctionType(
+            _outermost_call.__code__.replace(), globals(), "ktd_compiled_forward"
+        )
+        self.compiled = torch.compile(
+            function, dynamic=False, options={"fx_graph_cache": False}
+        )
+        self.error = None
+
+    def __call__(self, original, layer, *args, **kwargs):
+        if self.error is not None:
+            return _layer_call(original, layer, True, *args, **kwargs)
+        try:
+            return self.compiled(original, layer, *args, **kwargs)
+        except Exception as error:
+            # Dynamo/inductor errors, and DTensor errors raised by compiled
+            # code (e.g. AOTAutograd regenerating an output view with
+            # as_strided, which DTensor refuses) reach here re-wrapped by
+            # Keras' layer call as plain exceptions. Every rank fails alike,
+            # and the forward of a step changes no state but in-forward
+            # updates (BatchNormalization's moving statistics, which may then
+            # be updated twice on this one step), so run it eagerly: if that
+            # fails too, the error is the model's own and is raised as it
+            # is; if not, torch.compile cannot handle this model: warn once
+            # and stay eager.
+            outputs = _layer_call(original, layer, True, *args, **kwargs)
+            self.error = error
+            reason = str(error).strip().splitlines()
+            warn_once(
+                ("jit-compile-fallback", self.model_name),
+                "jit_compile=True: torch.compile could not run the forward "
+                "of model %r under the current distribution (%s: %s); it "
+                "runs eagerly from now on, with the same numbers. To silence "
+                "this, compile the model with jit_compile=False.",
+                self.model_name,
+                type(error).__name__,
+                " ".join(line.strip() for line in reason[:3]) or "no message",
+            )
+            return outputs
+
+
+def compiles_under_distribution(model):
+    """True when `model` was compiled with jit_compile=True and a
+    distribution is set: its outermost call runs through torch.compile."""
+    return (
+        _keras_compat.current_distribution() is not None
+        and getattr(model, "jit_compile", False) is True
+    )
+
+
+def _prepare_compiled_steps(model):
+    if not compiles_under_distribution(model):
+        _compiled_forwards.pop(model, None)
+        return
+    forward = _compiled_forwards.get(model)
+    if forward is None:
+        forward = _compiled_forwards[model] = _CompiledForward(model)
+    if model.train_function is None:
+        model.train_function = _step_function(model, forward, model.train_step, False)
+    if model.test_function is None:
+        model.test_function = _step_function(model, forward, model.test_step, True)
+    if model.predict_function is None:
+        model.predict_function = _step_function(model, forward, model.predict_step, True)
+
+
+def _step_function(model, forward, step, no_grad):
+    """Keras' eager one-step function, with the model's outermost call (and
+    only that call, not fit's symbolic build) through `forward`."""
+
+    def one_step_on_data(data):
+        # Gradients left by the last step would be inputs of the compiled
+        # forward's guards and fake tensors (and dynamo cannot fake a DTensor
+        # parameter's DTensor .grad with static shapes, torch 2.13). Keras'
+        # train_step clears them before backward anyway (zero_grad).
+        model.zero_grad(set_to_none=True)
+        saved = _active_forward[0]
+        _active_forward[0] = (model, forward)
+        try:
+            if no_grad:
+                with torch.no_grad():
+                    return step(data[0])
+            return step(data[0])
+        finally:
+            _active_forward[0] = saved
+
+    one_step_on_data._ktd_compiled_forward = True
+    return one_step_on_data

@@ -20,6 +20,7 @@ from keras_torch_distribution import _keras_compat
 from keras_torch_distribution import layouts
 from keras_torch_distribution import sharded_init
 from keras_torch_distribution import tensors
+from keras_torch_distribution.log import warn_once
 
 _implicit_replication = []
 _sharded_variables_exist = [False]
@@ -70,7 +71,32 @@ def sharded_layout(variable):
         if not torch_layout.is_sharded:
             torch_layout = None
     variable._ktd_layout = torch_layout
+    variable._ktd_distributed = _keras_compat.current_distribution() is not None
     return torch_layout
+
+
+def warn_if_created_outside(variables, distribution):
+    """Warn (once per variable) about variables created with no distribution
+    set that the current distribution would shard: they stay whole on every
+    rank. Variables created in a stateless scope (not yet initialized) and
+    variables given an explicit layout are not concerned."""
+    if distribution is None:
+        return
+    for variable in variables:
+        if getattr(variable, "_ktd_distributed", True) or variable._layout is not None:
+            continue
+        layout = distribution.get_variable_layout(variable)
+        if layout is not None and any(axis is not None for axis in layout.axes):
+            warn_once(
+                ("created-outside", id(variable)),
+                "Variable %r was created with no distribution set, so it is "
+                "whole on every rank, but the current distribution would shard "
+                "it with axes %s. Create the model after "
+                "keras.distribution.set_distribution(...) or inside "
+                "distribution.scope().",
+                variable.path,
+                tuple(layout.axes),
+            )
 
 
 def _requires_grad(variable, tensor):

@@ -1,0 +1,304 @@
+"""Eager vs torch.compile'd step time under DataParallel / ModelParallel,
+and against raw PyTorch (DDP, parallelize_module tensor parallelism).
+
+    python benchmarks/compile.py [--steps 20] [--warmup 5] [--quick]
+
+Every case runs in fresh processes (torchrun, gloo, CPU, OMP_NUM_THREADS=1):
+  keras_{dp,mp}_{mlp,block}_{eager,compiled}
+      Keras on 2 processes, `DataParallel` (each rank its 128 of 256 rows)
+      or `ModelParallel` on a ("model",) mesh of 2 (the whole batch on every
+      rank, Megatron layouts); `compile(jit_compile=...)`.
+  torch_{ddp,tp}_mlp_{eager,compiled}
+      raw torch on 2 processes: DistributedDataParallel / parallelize_module
+      (Colwise/Rowwise) on nn.Linear; compiled = torch.compile(model).
+  {keras,torch}_1p_mlp_{eager,compiled}
+      one process, 128 rows, no distribution: the baselines of the data
+      parallel overhead (2-process step / 1-process step, same mode).
+Models: the 1024 -> 4 x Dense(1024) MLP of data_parallel.py (MSE, Adam,
+global batch 256) and a small transformer block (batch 32, 64 tokens, width
+256, 4 heads, MLP 1024: attention + residual + LayerNorm + MLP + residual +
+LayerNorm; MP shards attention on heads and the MLP column/row).
+Keras is timed on `model.train_function([(x, y)])` after a one-step fit
+(what fit calls per step); torch on zero_grad/forward/loss/backward/step.
+The first steps compile: `warmup` untimed steps, then the median of
+`steps`, slower rank. Results: benchmarks/results/compile.json, ratios
+printed side by side.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _launch  # noqa: E402
+
+WIDTH, LAYERS, GLOBAL_BATCH = 1024, 4, 256
+SEQ, DMODEL, HEADS, FFN, BLOCK_BATCH = 64, 256, 4, 1024, 32
+
+
+def _arrays(shape_x, shape_y, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape_x).astype("float32"),
+            rng.standard_normal(shape_y).astype("float32"))
+
+
+def _keras_mlp(keras):
+    inputs = keras.Input(shape=(WIDTH,))
+    h = inputs
+    for i in range(LAYERS):
+        h = keras.layers.Dense(WIDTH, activation=None if i == LAYERS - 1 else "relu",
+                               name=f"dense_{i}")(h)
+    return keras.Model(inputs, h)
+
+
+def _keras_block(keras):
+    inputs = keras.Input(shape=(SEQ, DMODEL))
+    attention = keras.layers.MultiHeadAttention(HEADS, DMODEL // HEADS, name="mha")(
+        inputs, inputs)
+    h = keras.layers.LayerNormalization(name="ln1")(inputs + attention)
+    up = keras.layers.Dense(FFN, activation="relu", name="ffn_up")(h)
+    down = keras.layers.Dense(DMODEL, name="ffn_down")(up)
+    outputs = keras.layers.LayerNormalization(name="ln2")(h + down)
+    return keras.Model(inputs, outputs)
+
+
+def _keras_layout_map(keras, mesh, model_kind):
+    layout_map = keras.distribution.LayoutMap(mesh)
+    if model_kind == "mlp":
+        for i in range(LAYERS):
+            if i % 2 == 0:
+                layout_map[f"dense_{i}/kernel"] = (None, "model")
+                layout_map[f"dense_{i}/bias"] = ("model",)
+            else:
+                layout_map[f"dense_{i}/kernel"] = ("model", None)
+    else:
+        for name in ("query", "key", "value"):
+            layout_map[f"mha/{name}/kernel"] = (None, "model", None)
+            layout_map[f"mha/{name}/bias"] = ("model", None)
+        layout_map["mha/attention_output/kernel"] = ("model", None, None)
+        layout_map["ffn_up/kernel"] = (None, "model")
+        layout_map["ffn_up/bias"] = ("model",)
+        layout_map["ffn_down/kernel"] = ("model", None)
+    return layout_map
+
+
+def _keras_worker(mode, model_kind, compiled, steps, warmup):
+    import keras
+    import torch
+
+    import keras_torch_distribution  # noqa: F401
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    world, rank = 1, 0
+    if mode != "1p":
+        import torch.distributed as dist
+
+        keras.distribution.initialize()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        devices = keras.distribution.list_devices()
+        if mode == "dp":
+            keras.distribution.set_distribution(keras.distribution.DataParallel())
+        else:
+            mesh = keras.distribution.DeviceMesh((world,), ["model"], devices)
+            keras.distribution.set_distribution(keras.distribution.ModelParallel(
+                layout_map=_keras_layout_map(keras, mesh, model_kind)))
+    keras.utils.set_random_seed(0)
+    model = _keras_mlp(keras) if model_kind == "mlp" else _keras_block(keras)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse",
+                  jit_compile=compiled)
+    if model_kind == "mlp":
+        x, y = _arrays((GLOBAL_BATCH, WIDTH), (GLOBAL_BATCH, WIDTH))
+    else:
+        x, y = _arrays((BLOCK_BATCH, SEQ, DMODEL), (BLOCK_BATCH, SEQ, DMODEL))
+    global_rows = len(x)
+    if mode in ("dp", "1p"):  # a replica's rows (1p: one replica's share)
+        per = global_rows // 2
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        fit_batch = per * world
+    else:
+        fit_batch = global_rows
+    # One short fit builds the optimizer and installs the step functions.
+    model.fit(x, y, batch_size=fit_batch, epochs=1, steps_per_epoch=1, verbose=0)
+    model.make_train_function()
+    function = model.train_function
+    batch = [(torch.as_tensor(x), torch.as_tensor(y))]
+    barrier = None
+    if mode != "1p":
+        import torch.distributed as dist
+
+        barrier = dist.barrier
+    started = time.perf_counter()
+    function(batch)  # compiles here (and in fit above) when compiled
+    first_ms = 1e3 * (time.perf_counter() - started)
+    times = _launch.time_steps(lambda: function(batch), warmup, steps, barrier)
+    result = _launch.summary(times)
+    result.update(
+        rank=rank, keras=keras.__version__, first_step_ms=first_ms,
+        graphs=counters["stats"].get("unique_graphs", 0),
+        graph_breaks=sum(counters["graph_break"].values()),
+        compiled_frames=counters["frames"].get("ok", 0),
+    )
+    _launch.write_rank_result(result)
+    if mode != "1p":
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _torch_worker(mode, compiled, steps, warmup):
+    import torch
+    import torch.nn as nn
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    world, rank = 1, 0
+    if mode != "1p":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    modules = []
+    for i in range(LAYERS):
+        modules.append(nn.Linear(WIDTH, WIDTH))
+        if i < LAYERS - 1:
+            modules.append(nn.ReLU())
+    model = nn.Sequential(*modules)
+    x, y = (torch.as_tensor(a) for a in _arrays((GLOBAL_BATCH, WIDTH), (GLOBAL_BATCH, WIDTH)))
+    if mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    if mode in ("ddp", "1p"):
+        per = GLOBAL_BATCH // 2
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    if mode == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel
+        from torch.distributed.tensor.parallel import RowwiseParallel
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("model",))
+        plan = {str(2 * i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                for i in range(LAYERS)}
+        model = parallelize_module(model, mesh, plan)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    forward = torch.compile(model) if compiled else model
+    loss_fn = nn.MSELoss()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(forward(x), y)
+        loss.backward()
+        optimizer.step()
+
+    barrier = None
+    if mode != "1p":
+        import torch.distributed as dist
+
+        barrier = dist.barrier
+    started = time.perf_counter()
+    step()
+    first_ms = 1e3 * (time.perf_counter() - started)
+    times = _launch.time_steps(step, warmup, steps, barrier)
+    result = _launch.summary(times)
+    result.update(
+        rank=rank, first_step_ms=first_ms,
+        graphs=counters["stats"].get("unique_graphs", 0),
+        graph_breaks=sum(counters["graph_break"].values()),
+        compiled_frames=counters["frames"].get("ok", 0),
+    )
+    _launch.write_rank_result(result)
+    if mode != "1p":
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def worker(case):
+    steps = int(os.environ["BENCH_STEPS"])
+    warmup = int(os.environ["BENCH_WARMUP"])
+    framework, mode, model_kind, how = case.split("_")
+    compiled = how == "compiled"
+    if framework == "keras":
+        _keras_worker(mode, model_kind, compiled, steps, warmup)
+    else:
+        _torch_worker(mode, compiled, steps, warmup)
+
+
+def _cases(quick):
+    cases = []
+    for how in ("eager", "compiled"):
+        for mode in ("dp", "mp"):
+            for model_kind in (("mlp",) if quick else ("mlp", "block")):
+                cases.append((f"keras_{mode}_{model_kind}_{how}", 2))
+        cases += [(f"torch_ddp_mlp_{how}", 2), (f"torch_tp_mlp_{how}", 2),
+                  (f"keras_1p_mlp_{how}", 1), (f"torch_1p_mlp_{how}", 1)]
+    return cases
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="MLP only")
+    args = parser.parse_args()
+    env = {"BENCH_STEPS": str(args.steps), "BENCH_WARMUP": str(args.warmup)}
+    runs, errors = {}, {}
+    for case, nproc in _cases(args.quick):
+        try:
+            runs[case] = _launch.launch(os.path.abspath(__file__), case, nproc,
+                                        timeout=300, extra_env=env)
+        except RuntimeError as error:  # recorded in the JSON, run goes on
+            errors[case] = str(error)[-3000:]
+            print(f"  {case} FAILED: {str(error)[-600:]}", flush=True)
+    ms = {case: max(r["median_ms"] for r in ranks) for case, ranks in runs.items()}
+
+    def ratio(a, b):
+        return round(ms[a] / ms[b], 3) if a in ms and b in ms else None
+
+    ratios = {}
+    for mode in ("dp", "mp"):
+        for model_kind in ("mlp", "block"):
+            ratios[f"keras_{mode}_{model_kind}: compiled / eager"] = ratio(
+                f"keras_{mode}_{model_kind}_compiled", f"keras_{mode}_{model_kind}_eager")
+    for how in ("eager", "compiled"):
+        ratios[f"keras_mp / torch_tp ({how})"] = ratio(
+            f"keras_mp_mlp_{how}", f"torch_tp_mlp_{how}")
+        ratios[f"keras_dp / torch_ddp ({how})"] = ratio(
+            f"keras_dp_mlp_{how}", f"torch_ddp_mlp_{how}")
+        keras_over = ratio(f"keras_dp_mlp_{how}", f"keras_1p_mlp_{how}")
+        torch_over = ratio(f"torch_ddp_mlp_{how}", f"torch_1p_mlp_{how}")
+        ratios[f"dp overhead keras 2p/1p ({how})"] = keras_over
+        ratios[f"dp overhead ddp 2p/1p ({how})"] = torch_over
+        ratios[f"dp overhead ratio keras/ddp ({how})"] = (
+            round(keras_over / torch_over, 3) if keras_over and torch_over else None)
+    compile_report = {
+        case: {k: ranks[0][k] for k in ("graphs", "graph_breaks", "compiled_frames",
+                                         "first_step_ms")}
+        for case, ranks in runs.items() if case.endswith("compiled")
+    }
+    print("\nmedian step (ms), slower rank:")
+    for case in ms:
+        print(f"  {case:28} {ms[case]:9.2f}")
+    print("\nratios:")
+    for name, value in ratios.items():
+        print(f"  {name:42} {value}")
+    print("\ncompile (rank 0): graphs / graph breaks / compiled frames / first step ms")
+    for case, rep in compile_report.items():
+        print(f"  {case:28} {rep['graphs']} / {rep['graph_breaks']} / "
+              f"{rep['compiled_frames']} / {rep['first_step_ms']:.0f}")
+    _launch.save("compile", {
+        "benchmark": "compile", "machine": _launch.machine(),
+        "steps": args.steps, "warmup": args.warmup,
+        "step_ms": ms, "ratios": ratios, "compile": compile_report,
+        "errors": errors, "runs": runs,
+    })
+
+
+if __name__ == "__main__":
+    _launch.main_or_worker(main, worker)

@@ -1,0 +1,30 @@
+"""Train a small model with DataParallel and print its final numbers.
+
+Run by tests/test_launch.py on 2 processes of one node and on 2 simulated
+nodes x 1 process: both runs must print the same numbers.
+"""
+
+import os
+
+import keras
+import numpy as np
+
+keras.distribution.initialize()
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+keras.utils.set_random_seed(7)
+model = keras.Sequential(
+    [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)]
+)
+model.compile(keras.optimizers.SGD(0.1), "mse")
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 6)).astype("float32")
+y = rng.normal(size=(64, 2)).astype("float32")
+history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+rank = os.environ.get("RANK")
+weights = [float(np.asarray(w, dtype="float64").sum()) for w in model.get_weights()]
+print(
+    f"rank={rank} world={keras.distribution.DataParallel().num_processes} "
+    f"losses={[round(v, 6) for v in history.history['loss']]} "
+    f"weight_sums={[round(v, 6) for v in weights]}",
+    flush=True,
+)

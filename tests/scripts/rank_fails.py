@@ -1,0 +1,33 @@
+"""Rank 1 fails while rank 0 trains on: the job must not hang.
+
+`rank_fails.py raise`: rank 1 raises after its first epoch; torchrun stops
+rank 0 and names rank 1. `rank_fails.py stall`: rank 1 stops answering (it
+sleeps) instead of training; rank 0's first gradient all-reduce times out
+after KTD_TIMEOUT_SECONDS. Run by tests/test_launch.py.
+"""
+
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+
+keras.distribution.initialize()
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+RANK = int(os.environ["RANK"])
+
+
+class FailOnRank1(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if RANK == 1 and epoch == 0:
+            raise RuntimeError("deliberate failure on rank 1 after epoch 1")
+
+
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile("sgd", "mse")
+x = np.ones((64, 4), "float32")
+if sys.argv[1:] == ["stall"] and RANK == 1:
+    time.sleep(300)  # stopped by torchrun once rank 0 fails
+model.fit(x, x[:, :2], batch_size=8, epochs=1000, verbose=0, callbacks=[FailOnRank1()])
+print("rank", RANK, "finished training: the failure was not seen", flush=True)
