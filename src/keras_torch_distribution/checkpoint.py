@@ -218,7 +218,7 @@ def is_checkpoint(path):
     )
 
 
-def _read_marker(path):
+def read_marker(path):
     path = _normalize(path)
     if not is_checkpoint(path):
         hint = ""
@@ -473,7 +473,7 @@ def load(model, path, optimizer=True):
     variables. Collective: call on every rank.
     """
     path = _normalize(path)
-    marker = _read_marker(path)
+    marker = read_marker(path)
     saved = marker["variables"]
     _variables(model, False)  # raises for an unbuilt model
     if optimizer:
@@ -492,7 +492,7 @@ def load(model, path, optimizer=True):
 
 def read_extra(path):
     """The `extra` a checkpoint was saved with (no collective)."""
-    return _read_marker(path).get("extra")
+    return read_marker(path).get("extra")
 
 
 _NAME = re.compile(r"^ckpt-(\d+)$")

@@ -7,6 +7,7 @@ import sys
 USAGE = """usage:
   ktd run -n N [torchrun options] SCRIPT [ARGS]   run SCRIPT on N processes
   ktd env                                         versions, devices, settings
+  ktd report CHECKPOINT                           each variable's shards in a checkpoint
 """
 
 
@@ -49,6 +50,20 @@ def main(argv=None):
         return 0
     if command == "env":
         print_env()
+        return 0
+    if command == "report":
+        if len(rest) != 1:
+            print(f"ktd report: give one checkpoint directory\n{USAGE}", file=sys.stderr)
+            return 2
+        from keras_torch_distribution.checkpoint import NotACheckpointError
+        from keras_torch_distribution.report import checkpoint_table
+        from keras_torch_distribution.report import format_checkpoint_table
+
+        try:
+            print(format_checkpoint_table(checkpoint_table(rest[0])))
+        except NotACheckpointError as error:
+            print(f"ktd report: {error}", file=sys.stderr)
+            return 2
         return 0
     print(f"ktd: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
