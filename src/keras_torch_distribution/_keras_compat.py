@@ -22,6 +22,7 @@ from keras.src.optimizers import base_optimizer
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator
 from keras.src.backend.torch import trainer as torch_trainer
+from keras.src.backend.torch.optimizers import torch_adam
 from keras.src.trainers.data_adapters import data_adapter
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils import rng_utils
@@ -110,6 +111,17 @@ def gradient_accumulators(optimizer, variables):
         optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
         for v in variables
     ]
+
+
+def adam_slots(optimizer, variables):
+    """(momentums, velocities, velocity hats or None) of `variables`, as
+    tensors, in the order of `variables` (Keras' Adam and AdamW)."""
+
+    def slots(kind):
+        return [kind[optimizer._get_variable_index(v)].value for v in variables]
+
+    hats = slots(optimizer._velocity_hats) if optimizer.amsgrad else None
+    return slots(optimizer._momentums), slots(optimizer._velocities), hats
 
 
 class _WrappedDataAdapter(data_adapter.DataAdapter):
@@ -297,6 +309,7 @@ def _patch_table():
     from keras_torch_distribution import checkpoint
     from keras_torch_distribution import data
     from keras_torch_distribution import distribution_lib
+    from keras_torch_distribution import optimizer_update
     from keras_torch_distribution import saving
     from keras_torch_distribution import tensors
     from keras_torch_distribution import trainer
@@ -318,6 +331,12 @@ def _patch_table():
         Patch(keras_backend, "convert_to_numpy", tensors.to_numpy, wrap=True),
         Patch(keras_layer.Layer, "__call__", trainer.layer_call, wrap=True),
         Patch(base_optimizer.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
+        Patch(
+            torch_adam.Adam,
+            "_parallel_update_step",
+            optimizer_update.adam_update,
+            wrap=True,
+        ),
         Patch(
             keras_model.Model, "get_metrics_result", trainer.metrics_result, wrap=True
         ),

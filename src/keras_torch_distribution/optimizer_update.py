@@ -1,0 +1,75 @@
+"""Keras' torch Adam update, variable by variable, in place, on local blocks.
+
+Keras' torch `Adam._parallel_update_step` (AdamW inherits it) applies each
+step as `torch._foreach_*` ops over all variables, five of them allocating a
+new tensor per variable; on DTensor variables every op also pays DTensor
+dispatch. On a 2-process CPU run of a 4 x Dense(1024) MLP that update took
+about a quarter of the step. `adam_update` computes exactly Keras' formula,
+element for element in the same order (so the numbers are bit for bit
+Keras'), one variable at a time while it is in cache, in place but for two
+scratch tensors per variable, on each rank's local block: a variable, its
+gradient (aligned to the variable's layout before the update) and its
+moment slots share one layout, so the update is elementwise on local blocks
+and needs no communication.
+"""
+
+import keras
+import torch
+from torch.distributed.tensor import DTensor
+
+from keras_torch_distribution import _keras_compat
+
+
+def _local_blocks(tensors):
+    """The local blocks of `tensors` when they are all DTensors of one
+    layout, or all plain; None when they mix (then DTensor ops are used)."""
+    specs = {(t.device_mesh, tuple(t.placements)) for t in tensors if isinstance(t, DTensor)}
+    if not specs:
+        return list(tensors)
+    if len(specs) > 1 or not all(isinstance(t, DTensor) for t in tensors):
+        return None
+    return [t.to_local() for t in tensors]
+
+
+@torch.no_grad()
+def adam_update(original, optimizer, grads, keras_variables, learning_rate):
+    """Replaces Keras' torch `Adam._parallel_update_step` with the same
+    arithmetic. `original` is unused: kept by the seam to put it back."""
+    del original
+    values = [v.value for v in keras_variables]
+    momentums, velocities, velocity_hats = _keras_compat.adam_slots(
+        optimizer, keras_variables
+    )
+    dtype = values[0].dtype
+    # As Keras computes it: a 0-dim tensor in the variables' dtype.
+    lr = keras.ops.cast(learning_rate, dtype)
+    local_step = keras.ops.cast(optimizer.iterations + 1, dtype)
+    beta_1_power = keras.ops.power(keras.ops.cast(optimizer.beta_1, dtype), local_step)
+    beta_2_power = keras.ops.power(keras.ops.cast(optimizer.beta_2, dtype), local_step)
+    alpha = lr * keras.ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    beta_1, beta_2, epsilon = optimizer.beta_1, optimizer.beta_2, optimizer.epsilon
+    for index, (value, grad) in enumerate(zip(values, grads)):
+        slots = [momentums[index], velocities[index]]
+        if velocity_hats is not None:
+            slots.append(velocity_hats[index])
+        blocks = _local_blocks([value, grad] + slots)
+        if blocks is None:
+            blocks = [value, grad] + slots
+        value, grad, m, v = blocks[:4]
+        m.mul_(beta_1)
+        m.add_(grad, alpha=1 - beta_1)
+        scratch = torch.mul(grad, grad)
+        v.mul_(beta_2)
+        v.add_(scratch, alpha=1 - beta_2)
+        if velocity_hats is not None:
+            v_hat = blocks[4]
+            torch.maximum(v_hat, v, out=v_hat)
+            v = v_hat
+        if scratch.dtype == v.dtype:
+            denominator = torch.sqrt(v, out=scratch)
+        else:
+            denominator = torch.sqrt(v)
+        denominator.add_(epsilon)
+        update = torch.mul(m, alpha)
+        update.div_(denominator)
+        value.add_(update, alpha=-1)
