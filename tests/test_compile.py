@@ -159,3 +159,77 @@ def test_uncompilable_forward_falls_back_with_one_warning(pool2):
         np.testing.assert_allclose(w, r, rtol=1e-4, atol=2e-5)
     for a, b in zip(w0, w1):
         np.testing.assert_array_equal(a, b)
+
+
+SEQ, WIDTH, HEADS = 6, 8, 2
+
+
+def compiled_attention_train(sharded, jit_compile=True):
+    """A block of self-attention sharded on heads (query/key/value kernels
+    on their heads dim, the output projection on its input heads) +
+    residual + LayerNorm + Dense under ModelParallel on a ("model",) mesh
+    (`sharded`), or one eager process; weights, history, predictions and
+    torch's compile counters."""
+    import keras
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    if sharded:
+        devices = keras.distribution.list_devices()
+        mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        for name in ("query", "key", "value"):
+            layout_map[f"mha/{name}/kernel"] = (None, "model", None)
+            layout_map[f"mha/{name}/bias"] = ("model", None)
+        layout_map["mha/attention_output/kernel"] = ("model", None, None)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map)
+        )
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((SEQ, WIDTH))
+    attention = keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS, name="mha")(
+        inputs, inputs
+    )
+    hidden = keras.layers.LayerNormalization(name="norm")(inputs + attention)
+    outputs = keras.layers.Dense(WIDTH, name="proj")(hidden)
+    model = keras.Model(inputs, outputs)
+    # SGD: the key bias's gradient is zero in exact arithmetic (softmax
+    # ignores a per-query constant), rounding noise that Adam would amplify.
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, SEQ, WIDTH)).astype("float32")
+    y = rng.normal(size=(ROWS, SEQ, WIDTH)).astype("float32")
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+    query_kernel = model.get_layer("mha").query_dense.kernel.value
+    local_query_kernel = tuple(query_kernel.to_local().shape) if sharded else None
+    weights = [np.asarray(v) for v in model.weights]
+    keras.distribution.set_distribution(None)
+    report = {
+        "graphs": counters["stats"].get("unique_graphs", 0),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "break_reasons": [r.splitlines()[0] for r in counters["graph_break"]],
+    }
+    return weights, history.history, predictions, local_query_kernel, report
+
+
+def test_compiled_heads_sharded_attention_matches_eager_one_process(pool2):
+    """Attention sharded on heads compiles into one graph per mode (no
+    eager fallback, no graph break) and trains to one eager process's
+    numbers."""
+    ref_weights, ref_history, ref_predictions, _, _ = compiled_attention_train(
+        False, jit_compile=False
+    )
+    for rank, (weights, history, predictions, local_query, report) in enumerate(
+        pool2.run(compiled_attention_train, True)
+    ):
+        assert local_query == (WIDTH, HEADS // 2, WIDTH // HEADS), rank
+        assert report["graph_breaks"] == 0, report
+        assert report["graphs"] == 2, report
+        for w, r in zip(weights, ref_weights):
+            np.testing.assert_allclose(w, r, rtol=1e-4, atol=2e-5, err_msg=f"rank {rank}")
+        for key in ref_history:
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4)
+        np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-4, atol=2e-5)

@@ -12,6 +12,7 @@ import keras
 from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state
 from keras.src.backend.torch import core as torch_core
+from keras.src.backend.torch import nn as torch_nn
 from keras.src.backend.torch import random as torch_random
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.initializers import constant_initializers
@@ -329,6 +330,12 @@ def _patch_table():
         Patch(TorchVariable, "__array__", variables.to_numpy, wrap=True),
         Patch(TorchVariable, "__repr__", variables.describe, wrap=True),
         Patch(keras_backend, "convert_to_numpy", tensors.to_numpy, wrap=True),
+        Patch(
+            torch_nn,
+            "_can_use_flash_attention",
+            trainer.can_use_flash_attention,
+            wrap=True,
+        ),
         Patch(keras_layer.Layer, "__call__", trainer.layer_call, wrap=True),
         Patch(base_optimizer.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(

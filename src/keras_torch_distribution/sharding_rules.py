@@ -6,8 +6,11 @@ Keras layers use with sharded weights.
   back labelled Replicate while holding only the local channels). These rules
   shard the output on channels for a kernel sharded on output channels, give
   a partial sum for one sharded on input channels, and shard on the batch.
-- `aten._scaled_dot_product_flash_attention_for_cpu_backward`: no rule in
-  torch; attention sharded on heads (or batch) keeps that sharding.
+- `aten._scaled_dot_product_flash_attention_for_cpu` and its `_backward`:
+  no rule in torch; attention sharded on heads (or batch) keeps that
+  sharding. Without the forward rule DTensor derived one by tracing the op's
+  decomposition, on every new shape, and under torch.compile's fake tensors
+  for minutes.
 
 Registered once with torch's public `register_sharding`; they are correct
 whatever Keras does, so `uninstall()` leaves them. For convolution this also
@@ -65,6 +68,15 @@ def _conv_backward(grad_output, input, weight, bias_sizes, stride, padding,
     return options
 
 
+def _attention_forward(query, key, value, dropout_p=0.0, is_causal=False,
+                       attn_mask=None, scale=None):
+    options = [([Replicate()] * 2, [Replicate()] * 3 + [None, None])]
+    if attn_mask is None:
+        for dim in (0, 1):  # batch, heads
+            options.append(([Shard(dim)] * 2, [Shard(dim)] * 3 + [None, None]))
+    return options
+
+
 def _attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
                         is_causal, attn_mask=None, scale=None):
     options = [([Replicate()] * 3, [Replicate()] * 6 + [None, None])]
@@ -89,6 +101,9 @@ def register():
         handlers.pop(op, None)
     register_sharding(aten.convolution.default)(_conv_forward)
     register_sharding(aten.convolution_backward.default)(_conv_backward)
+    register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)(
+        _attention_forward
+    )
     register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(
         _attention_backward
     )

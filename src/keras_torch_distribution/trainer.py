@@ -316,6 +316,21 @@ class _CompiledForward:
             return outputs
 
 
+def can_use_flash_attention(original, *args, raise_error=False, **kwargs):
+    """Keras' check whether `dot_product_attention` may force the flash
+    kernel builds a `torch.backends.cuda.SDPAParams`, a C++ object dynamo
+    cannot trace: every attention call broke the compiled graph, inside a
+    `name_scope` where dynamo cannot resume, so whole layers ran eagerly.
+    While compiling, answer "no": Keras then calls the same
+    `scaled_dot_product_attention` without restricting its kernels, and
+    torch's own kernel choice (flash first where it applies) decides. When
+    the user asks for flash attention (`raise_error=True`), Keras' check
+    runs as it is."""
+    if torch.compiler.is_compiling() and not raise_error:
+        return False
+    return original(*args, raise_error=raise_error, **kwargs)
+
+
 def compiles_under_distribution(model):
     """True when `model` was compiled with jit_compile=True and a
     distribution is set: its outermost call runs through torch.compile."""
