@@ -8,12 +8,15 @@ Every case runs in fresh processes (torchrun, gloo, CPU, OMP_NUM_THREADS=1):
       Keras on 2 processes, `DataParallel` (each rank its 128 of 256 rows)
       or `ModelParallel` on a ("model",) mesh of 2 (the whole batch on every
       rank, Megatron layouts); `compile(jit_compile=...)`.
-  torch_{ddp,tp}_mlp_{eager,compiled}
+  torch_{ddp,tp}_{mlp,block}_{eager,compiled}
       raw torch on 2 processes: DistributedDataParallel / parallelize_module
-      (Colwise/Rowwise) on nn.Linear; compiled = torch.compile(model).
-  {keras,torch}_1p_mlp_{eager,compiled}
-      one process, 128 rows, no distribution: the baselines of the data
-      parallel overhead (2-process step / 1-process step, same mode).
+      (Colwise/Rowwise on the nn.Linear layers: the block's q/k/v and MLP-up
+      column, attention output and MLP-down row); compiled =
+      torch.compile(model).
+  {keras,torch}_1p_{mlp,block}_{eager,compiled}
+      one process, half the global batch, no distribution: the baselines of
+      the data parallel overhead (2-process step / 1-process step, same
+      mode).
 Models: the 1024 -> 4 x Dense(1024) MLP of data_parallel.py (MSE, Adam,
 global batch 256) and a small transformer block (batch 32, 64 tokens, width
 256, 4 heads, MLP 1024: attention + residual + LayerNorm + MLP + residual +
@@ -150,7 +153,73 @@ def _keras_worker(mode, model_kind, compiled, steps, warmup):
         dist.destroy_process_group()
 
 
-def _torch_worker(mode, compiled, steps, warmup):
+class _TorchBlock:
+    """The Keras block in plain torch (built lazily: torch is imported in
+    the worker): attention (q/k/v projections, SDPA over heads, output
+    projection) + residual + LayerNorm + MLP + residual + LayerNorm. Under
+    tensor parallelism the projections hold this rank's heads only, so the
+    head count is inferred from the local width."""
+
+    @staticmethod
+    def build():
+        import torch
+        import torch.nn as nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.query = nn.Linear(DMODEL, DMODEL)
+                self.key = nn.Linear(DMODEL, DMODEL)
+                self.value = nn.Linear(DMODEL, DMODEL)
+                self.attention_output = nn.Linear(DMODEL, DMODEL)
+                self.ln1 = nn.LayerNorm(DMODEL, eps=1e-3)
+                self.ffn_up = nn.Linear(DMODEL, FFN)
+                self.ffn_down = nn.Linear(FFN, DMODEL)
+                self.ln2 = nn.LayerNorm(DMODEL, eps=1e-3)
+
+            def forward(self, x):
+                batch, seq, _ = x.shape
+                head_dim = DMODEL // HEADS
+
+                def heads(t):
+                    return t.view(batch, seq, -1, head_dim).transpose(1, 2)
+
+                attended = torch.nn.functional.scaled_dot_product_attention(
+                    heads(self.query(x)), heads(self.key(x)), heads(self.value(x)))
+                attended = attended.transpose(1, 2).reshape(batch, seq, -1)
+                h = self.ln1(x + self.attention_output(attended))
+                down = self.ffn_down(torch.relu(self.ffn_up(h)))
+                return self.ln2(h + down)
+
+        return Block()
+
+
+def _torch_model(model_kind):
+    import torch.nn as nn
+
+    if model_kind == "block":
+        return _TorchBlock.build()
+    modules = []
+    for i in range(LAYERS):
+        modules.append(nn.Linear(WIDTH, WIDTH))
+        if i < LAYERS - 1:
+            modules.append(nn.ReLU())
+    return nn.Sequential(*modules)
+
+
+def _torch_tp_plan(model_kind):
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    if model_kind == "block":
+        return {"query": ColwiseParallel(), "key": ColwiseParallel(),
+                "value": ColwiseParallel(), "attention_output": RowwiseParallel(),
+                "ffn_up": ColwiseParallel(), "ffn_down": RowwiseParallel()}
+    return {str(2 * i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+            for i in range(LAYERS)}
+
+
+def _torch_worker(mode, model_kind, compiled, steps, warmup):
     import torch
     import torch.nn as nn
     from torch._dynamo.utils import counters
@@ -163,28 +232,23 @@ def _torch_worker(mode, compiled, steps, warmup):
         dist.init_process_group("gloo")
         world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    modules = []
-    for i in range(LAYERS):
-        modules.append(nn.Linear(WIDTH, WIDTH))
-        if i < LAYERS - 1:
-            modules.append(nn.ReLU())
-    model = nn.Sequential(*modules)
-    x, y = (torch.as_tensor(a) for a in _arrays((GLOBAL_BATCH, WIDTH), (GLOBAL_BATCH, WIDTH)))
+    model = _torch_model(model_kind)
+    if model_kind == "mlp":
+        arrays = _arrays((GLOBAL_BATCH, WIDTH), (GLOBAL_BATCH, WIDTH))
+    else:
+        arrays = _arrays((BLOCK_BATCH, SEQ, DMODEL), (BLOCK_BATCH, SEQ, DMODEL))
+    x, y = (torch.as_tensor(a) for a in arrays)
     if mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     if mode in ("ddp", "1p"):
-        per = GLOBAL_BATCH // 2
+        per = len(x) // 2
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     if mode == "tp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel
-        from torch.distributed.tensor.parallel import RowwiseParallel
         from torch.distributed.tensor.parallel import parallelize_module
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("model",))
-        plan = {str(2 * i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
-                for i in range(LAYERS)}
-        model = parallelize_module(model, mesh, plan)
+        model = parallelize_module(model, mesh, _torch_tp_plan(model_kind))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     forward = torch.compile(model) if compiled else model
     loss_fn = nn.MSELoss()
@@ -227,17 +291,16 @@ def worker(case):
     if framework == "keras":
         _keras_worker(mode, model_kind, compiled, steps, warmup)
     else:
-        _torch_worker(mode, compiled, steps, warmup)
+        _torch_worker(mode, model_kind, compiled, steps, warmup)
 
 
 def _cases(quick):
     cases = []
     for how in ("eager", "compiled"):
-        for mode in ("dp", "mp"):
-            for model_kind in (("mlp",) if quick else ("mlp", "block")):
-                cases.append((f"keras_{mode}_{model_kind}_{how}", 2))
-        cases += [(f"torch_ddp_mlp_{how}", 2), (f"torch_tp_mlp_{how}", 2),
-                  (f"keras_1p_mlp_{how}", 1), (f"torch_1p_mlp_{how}", 1)]
+        for model_kind in (("mlp",) if quick else ("mlp", "block")):
+            cases += [(f"keras_dp_{model_kind}_{how}", 2), (f"keras_mp_{model_kind}_{how}", 2),
+                      (f"torch_ddp_{model_kind}_{how}", 2), (f"torch_tp_{model_kind}_{how}", 2),
+                      (f"keras_1p_{model_kind}_{how}", 1), (f"torch_1p_{model_kind}_{how}", 1)]
     return cases
 
 
@@ -262,21 +325,22 @@ def main():
         return round(ms[a] / ms[b], 3) if a in ms and b in ms else None
 
     ratios = {}
-    for mode in ("dp", "mp"):
-        for model_kind in ("mlp", "block"):
-            ratios[f"keras_{mode}_{model_kind}: compiled / eager"] = ratio(
-                f"keras_{mode}_{model_kind}_compiled", f"keras_{mode}_{model_kind}_eager")
-    for how in ("eager", "compiled"):
-        ratios[f"keras_mp / torch_tp ({how})"] = ratio(
-            f"keras_mp_mlp_{how}", f"torch_tp_mlp_{how}")
-        ratios[f"keras_dp / torch_ddp ({how})"] = ratio(
-            f"keras_dp_mlp_{how}", f"torch_ddp_mlp_{how}")
-        keras_over = ratio(f"keras_dp_mlp_{how}", f"keras_1p_mlp_{how}")
-        torch_over = ratio(f"torch_ddp_mlp_{how}", f"torch_1p_mlp_{how}")
-        ratios[f"dp overhead keras 2p/1p ({how})"] = keras_over
-        ratios[f"dp overhead ddp 2p/1p ({how})"] = torch_over
-        ratios[f"dp overhead ratio keras/ddp ({how})"] = (
-            round(keras_over / torch_over, 3) if keras_over and torch_over else None)
+    for model_kind in ("mlp", "block"):
+        for framework, modes in (("keras", ("dp", "mp", "1p")), ("torch", ("ddp", "tp", "1p"))):
+            for mode in modes:
+                case = f"{framework}_{mode}_{model_kind}"
+                ratios[f"{case}: compiled / eager"] = ratio(f"{case}_compiled", f"{case}_eager")
+        for how in ("eager", "compiled"):
+            ratios[f"{model_kind} keras_mp / torch_tp ({how})"] = ratio(
+                f"keras_mp_{model_kind}_{how}", f"torch_tp_{model_kind}_{how}")
+            ratios[f"{model_kind} keras_dp / torch_ddp ({how})"] = ratio(
+                f"keras_dp_{model_kind}_{how}", f"torch_ddp_{model_kind}_{how}")
+            keras_over = ratio(f"keras_dp_{model_kind}_{how}", f"keras_1p_{model_kind}_{how}")
+            torch_over = ratio(f"torch_ddp_{model_kind}_{how}", f"torch_1p_{model_kind}_{how}")
+            ratios[f"{model_kind} dp overhead keras 2p/1p ({how})"] = keras_over
+            ratios[f"{model_kind} dp overhead ddp 2p/1p ({how})"] = torch_over
+            ratios[f"{model_kind} dp overhead ratio keras/ddp ({how})"] = (
+                round(keras_over / torch_over, 3) if keras_over and torch_over else None)
     compile_report = {
         case: {k: ranks[0][k] for k in ("graphs", "graph_breaks", "compiled_frames",
                                          "first_step_ms")}

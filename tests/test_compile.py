@@ -33,9 +33,10 @@ def _model(jit_compile):
     return model
 
 
-def compiled_train(kind, jit_compile=True, epochs=2):
+def compiled_train(kind, jit_compile=True, epochs=2, prebuilt=False):
     """Train (compiled); weights, history, evaluation, predictions, and
-    torch's compile counters for this run."""
+    torch's compile counters for this run. `prebuilt`: the step functions
+    are made by user code before fit, as a custom loop would."""
     import keras
     import torch
     from torch._dynamo.utils import counters
@@ -45,6 +46,15 @@ def compiled_train(kind, jit_compile=True, epochs=2):
     _set_distribution(kind)
     model = _model(jit_compile)
     x, y = _data()
+    prebuilt_steps = None
+    if prebuilt:
+        model.make_train_function()
+        model.make_test_function()
+        model.make_predict_function()
+        prebuilt_steps = [
+            getattr(f, "_ktd_compiled_forward", False)
+            for f in (model.train_function, model.test_function, model.predict_function)
+        ]
     history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0)
     evaluation = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
@@ -55,6 +65,7 @@ def compiled_train(kind, jit_compile=True, epochs=2):
         "graph_breaks": sum(counters["graph_break"].values()),
         "break_reasons": [r.splitlines()[0] for r in counters["graph_break"]],
         "frames": counters["frames"].get("ok", 0),
+        "prebuilt_steps": prebuilt_steps,
     }
     return weights, history.history, evaluation, predictions, report
 
@@ -78,6 +89,16 @@ def _check(results, kind, epochs=2):
 @pytest.mark.parametrize("kind", ["dp", "mp"])
 def test_compiled_fit_matches_eager_one_process(pool2, kind):
     _check(pool2.run(compiled_train, kind), kind)
+
+
+def test_step_functions_made_before_fit_compile_the_forward_only(pool2):
+    """`make_train_function()` (and test / predict) called by user code
+    before fit build the package's step functions, not Keras' whole-step
+    torch.compile (which cannot run under a distribution)."""
+    results = pool2.run(compiled_train, "dp", prebuilt=True)
+    for result in results:
+        assert result[4]["prebuilt_steps"] == [True, True, True], result[4]
+    _check(results, "dp prebuilt")
 
 
 def test_compiled_hybrid_2x2_matches_eager_one_process(pool4):

@@ -350,6 +350,18 @@ def _patch_table():
         Patch(epoch_iterator.data_adapters, "get_data_adapter", data.get_data_adapter, wrap=True),
         Patch(
             torch_trainer.TorchTrainer,
+            "make_train_function",
+            trainer.make_train_function,
+            wrap=True,
+        ),
+        Patch(
+            torch_trainer.TorchTrainer,
+            "make_test_function",
+            trainer.make_test_function,
+            wrap=True,
+        ),
+        Patch(
+            torch_trainer.TorchTrainer,
             "make_predict_function",
             trainer.make_predict_function,
             wrap=True,

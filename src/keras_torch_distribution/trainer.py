@@ -194,8 +194,14 @@ def _state_weight(variable, group):
 
 def make_predict_function(original, model, force=False):
     """The predict function returns the predictions of every replica, in
-    input order. Collective per batch: call on every rank."""
-    result = original(model, force)
+    input order (and, as `make_train_function`, compiles the model's
+    outermost call under jit_compile=True). Collective per batch: call on
+    every rank."""
+    if _builds_compiled_step(model, model.predict_function, force):
+        model.predict_function = _step_function(model, model.predict_step, True)
+        result = model.predict_function
+    else:
+        result = original(model, force)
     function = model.predict_function
     if getattr(function, "_ktd_gathers", False):
         return result
@@ -210,6 +216,9 @@ def make_predict_function(original, model, force=False):
         )
 
     predict_on_every_replica._ktd_gathers = True
+    predict_on_every_replica._ktd_compiled_forward = getattr(
+        function, "_ktd_compiled_forward", False
+    )
     model.predict_function = predict_on_every_replica
     return result
 
@@ -230,14 +239,11 @@ def _gather_rows(tensor, group):
 
 def quiet_on_other_ranks(original, model, *args, **kwargs):
     """fit / evaluate / predict print progress, and file-writing callbacks
-    write, on rank 0 only; a model compiled with `jit_compile=True` under a
-    distribution gets the step functions of `_prepare_compiled_steps`.
-    Variables created before the distribution was set, that it would shard,
+    write, on rank 0 only. Variables created before the distribution was set, that it would shard,
     get one warning each."""
     variables.warn_if_created_outside(
         model.variables, _keras_compat.current_distribution()
     )
-    _prepare_compiled_steps(model)
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
         kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))
@@ -340,24 +346,44 @@ def compiles_under_distribution(model):
     )
 
 
-def _prepare_compiled_steps(model):
-    if not compiles_under_distribution(model):
-        _compiled_forwards.pop(model, None)
-        return
+def _builds_compiled_step(model, existing, force):
+    return (
+        compiles_under_distribution(model)
+        and (force or existing is None)
+        and model.steps_per_execution == 1
+    )
+
+
+def _compiled_forward(model):
     forward = _compiled_forwards.get(model)
     if forward is None:
         forward = _compiled_forwards[model] = _CompiledForward(model)
-    if model.train_function is None:
-        model.train_function = _step_function(model, forward, model.train_step, False)
-    if model.test_function is None:
-        model.test_function = _step_function(model, forward, model.test_step, True)
-    if model.predict_function is None:
-        model.predict_function = _step_function(model, forward, model.predict_step, True)
+    return forward
 
 
-def _step_function(model, forward, step, no_grad):
+def make_train_function(original, model, force=False):
+    """Keras' train function; for a model compiled with jit_compile=True
+    under a distribution, Keras' eager step with the model's outermost call
+    through torch.compile (see above), also when user code calls
+    `make_train_function()` itself."""
+    if _builds_compiled_step(model, model.train_function, force):
+        model.train_function = _step_function(model, model.train_step, False)
+        return model.train_function
+    return original(model, force)
+
+
+def make_test_function(original, model, force=False):
+    """As `make_train_function`, for evaluate."""
+    if _builds_compiled_step(model, model.test_function, force):
+        model.test_function = _step_function(model, model.test_step, True)
+        return model.test_function
+    return original(model, force)
+
+
+def _step_function(model, step, no_grad):
     """Keras' eager one-step function, with the model's outermost call (and
-    only that call, not fit's symbolic build) through `forward`."""
+    only that call, not fit's symbolic build) through torch.compile."""
+    forward = _compiled_forward(model)
 
     def one_step_on_data(data):
         # Gradients left by the last step would be inputs of the compiled
