@@ -1,7 +1,7 @@
 """Eager vs torch.compile'd step time under DataParallel / ModelParallel,
 and against raw PyTorch (DDP, parallelize_module tensor parallelism).
 
-    python benchmarks/compile.py [--steps 20] [--warmup 5] [--quick]
+    python benchmarks/compile.py [--steps 20] [--warmup 5] [--repeats 1] [--quick]
 
 Every case runs in fresh processes (torchrun, gloo, CPU, OMP_NUM_THREADS=1):
   keras_{dp,mp}_{mlp,block}_{eager,compiled}
@@ -30,6 +30,7 @@ printed side by side.
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -309,17 +310,25 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="MLP only")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of all cases, interleaved; each case "
+                             "reports the median over rounds")
     args = parser.parse_args()
     env = {"BENCH_STEPS": str(args.steps), "BENCH_WARMUP": str(args.warmup)}
-    runs, errors = {}, {}
-    for case, nproc in _cases(args.quick):
-        try:
-            runs[case] = _launch.launch(os.path.abspath(__file__), case, nproc,
-                                        timeout=300, extra_env=env)
-        except RuntimeError as error:  # recorded in the JSON, run goes on
-            errors[case] = str(error)[-3000:]
-            print(f"  {case} FAILED: {str(error)[-600:]}", flush=True)
-    ms = {case: max(r["median_ms"] for r in ranks) for case, ranks in runs.items()}
+    rounds, errors = {}, {}
+    for _ in range(args.repeats):
+        for case, nproc in _cases(args.quick):
+            try:
+                rounds.setdefault(case, []).append(_launch.launch(
+                    os.path.abspath(__file__), case, nproc, timeout=300, extra_env=env))
+            except RuntimeError as error:  # recorded in the JSON, run goes on
+                errors.setdefault(case, []).append(str(error)[-3000:])
+                print(f"  {case} FAILED: {str(error)[-600:]}", flush=True)
+    # Each round: the slower rank's median; each case: the median over rounds.
+    rounds_ms = {case: [max(r["median_ms"] for r in ranks) for ranks in case_rounds]
+                 for case, case_rounds in rounds.items()}
+    ms = {case: statistics.median(values) for case, values in rounds_ms.items()}
+    runs = {case: case_rounds[0] for case, case_rounds in rounds.items()}
 
     def ratio(a, b):
         return round(ms[a] / ms[b], 3) if a in ms and b in ms else None
@@ -346,9 +355,9 @@ def main():
                                          "first_step_ms")}
         for case, ranks in runs.items() if case.endswith("compiled")
     }
-    print("\nmedian step (ms), slower rank:")
+    print("\nmedian step (ms), slower rank, median over rounds:")
     for case in ms:
-        print(f"  {case:28} {ms[case]:9.2f}")
+        print(f"  {case:28} {ms[case]:9.2f}   rounds {[round(m, 1) for m in rounds_ms[case]]}")
     print("\nratios:")
     for name, value in ratios.items():
         print(f"  {name:42} {value}")
@@ -358,9 +367,9 @@ def main():
               f"{rep['compiled_frames']} / {rep['first_step_ms']:.0f}")
     _launch.save("compile", {
         "benchmark": "compile", "machine": _launch.machine(),
-        "steps": args.steps, "warmup": args.warmup,
-        "step_ms": ms, "ratios": ratios, "compile": compile_report,
-        "errors": errors, "runs": runs,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "step_ms": ms, "rounds_ms": rounds_ms, "ratios": ratios,
+        "compile": compile_report, "errors": errors, "runs": rounds,
     })
 
 

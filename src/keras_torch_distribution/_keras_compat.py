@@ -307,7 +307,9 @@ _installed = []
 
 
 def _patch_table():
+    from keras_torch_distribution import boundary
     from keras_torch_distribution import checkpoint
+    from keras_torch_distribution import compiled
     from keras_torch_distribution import data
     from keras_torch_distribution import distribution_lib
     from keras_torch_distribution import optimizer_update
@@ -333,10 +335,10 @@ def _patch_table():
         Patch(
             torch_nn,
             "_can_use_flash_attention",
-            trainer.can_use_flash_attention,
+            compiled.can_use_flash_attention,
             wrap=True,
         ),
-        Patch(keras_layer.Layer, "__call__", trainer.layer_call, wrap=True),
+        Patch(keras_layer.Layer, "__call__", boundary.layer_call, wrap=True),
         Patch(base_optimizer.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(
             torch_adam.Adam,
@@ -351,13 +353,13 @@ def _patch_table():
         Patch(
             torch_trainer.TorchTrainer,
             "make_train_function",
-            trainer.make_train_function,
+            compiled.make_train_function,
             wrap=True,
         ),
         Patch(
             torch_trainer.TorchTrainer,
             "make_test_function",
-            trainer.make_test_function,
+            compiled.make_test_function,
             wrap=True,
         ),
         Patch(
