@@ -59,13 +59,9 @@ class PositionEmbedding(keras.layers.Layer):
 def block(x, index):
     name = f"block{index}"
     h = keras.layers.LayerNormalization(name=f"{name}_ln1")(x)
-    # return_attention_scores=True keeps Keras on its einsum attention path:
-    # torch 2.13's fused CPU attention kernel with a causal mask has no fast
-    # DTensor sharding rule (it is propagated through its decomposition on
-    # every call, which takes seconds).
-    h, _ = keras.layers.MultiHeadAttention(
+    h = keras.layers.MultiHeadAttention(
         HEADS, DIM // HEADS, name=f"{name}_attention"
-    )(h, h, use_causal_mask=True, return_attention_scores=True)
+    )(h, h, use_causal_mask=True)
     x = x + h
     h = keras.layers.LayerNormalization(name=f"{name}_ln2")(x)
     h = keras.layers.Dense(HIDDEN, activation="gelu", name=f"{name}_mlp_up")(h)
