@@ -60,14 +60,20 @@ def compiled_train(kind, jit_compile=True, epochs=2, prebuilt=False):
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     weights = [np.asarray(v) for v in model.weights]
     keras.distribution.set_distribution(None)
-    report = {
+    report = dict(_compile_counters(), prebuilt_steps=prebuilt_steps)
+    return weights, history.history, evaluation, predictions, report
+
+
+def _compile_counters():
+    """torch's own counts for this process since `counters.clear()`."""
+    from torch._dynamo.utils import counters
+
+    return {
         "graphs": counters["stats"].get("unique_graphs", 0),
         "graph_breaks": sum(counters["graph_break"].values()),
         "break_reasons": [r.splitlines()[0] for r in counters["graph_break"]],
         "frames": counters["frames"].get("ok", 0),
-        "prebuilt_steps": prebuilt_steps,
     }
-    return weights, history.history, evaluation, predictions, report
 
 
 def _check(results, kind, epochs=2):
@@ -228,12 +234,7 @@ def compiled_attention_train(sharded, jit_compile=True, causal=False):
     local_query_kernel = tuple(query_kernel.to_local().shape) if sharded else None
     weights = [np.asarray(v) for v in model.weights]
     keras.distribution.set_distribution(None)
-    report = {
-        "graphs": counters["stats"].get("unique_graphs", 0),
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "break_reasons": [r.splitlines()[0] for r in counters["graph_break"]],
-    }
-    return weights, history.history, predictions, local_query_kernel, report
+    return weights, history.history, predictions, local_query_kernel, _compile_counters()
 
 
 @pytest.mark.parametrize("causal", [False, True])
