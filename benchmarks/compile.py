@@ -89,12 +89,35 @@ def _keras_layout_map(keras, mesh, model_kind):
     return layout_map
 
 
+def _time_and_report(step, rank, mode, steps, warmup, barrier, **extra):
+    """Time the first call, then `steps` after `warmup`; write this rank's
+    result with torch's compile counters; end the process group."""
+    from torch._dynamo.utils import counters
+
+    started = time.perf_counter()
+    step()
+    first_ms = 1e3 * (time.perf_counter() - started)
+    times = _launch.time_steps(step, warmup, steps, barrier)
+    result = _launch.summary(times)
+    result.update(
+        rank=rank, first_step_ms=first_ms,
+        graphs=counters["stats"].get("unique_graphs", 0),
+        graph_breaks=sum(counters["graph_break"].values()),
+        compiled_frames=counters["frames"].get("ok", 0), **extra,
+    )
+    _launch.write_rank_result(result)
+    if mode != "1p":
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _keras_worker(mode, model_kind, compiled, steps, warmup):
     import keras
     import torch
 
     import keras_torch_distribution  # noqa: F401
-    from torch._dynamo.utils import counters
 
     torch.set_num_threads(1)
     world, rank = 1, 0
@@ -135,23 +158,9 @@ def _keras_worker(mode, model_kind, compiled, steps, warmup):
         import torch.distributed as dist
 
         barrier = dist.barrier
-    started = time.perf_counter()
-    function(batch)  # compiles here (and in fit above) when compiled
-    first_ms = 1e3 * (time.perf_counter() - started)
-    times = _launch.time_steps(lambda: function(batch), warmup, steps, barrier)
-    result = _launch.summary(times)
-    result.update(
-        rank=rank, keras=keras.__version__, first_step_ms=first_ms,
-        graphs=counters["stats"].get("unique_graphs", 0),
-        graph_breaks=sum(counters["graph_break"].values()),
-        compiled_frames=counters["frames"].get("ok", 0),
-    )
-    _launch.write_rank_result(result)
-    if mode != "1p":
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    # The first call compiles here (and in fit above) when compiled.
+    _time_and_report(lambda: function(batch), rank, mode, steps, warmup, barrier,
+                     keras=keras.__version__)
 
 
 class _TorchBlock:
@@ -223,7 +232,6 @@ def _torch_tp_plan(model_kind):
 def _torch_worker(mode, model_kind, compiled, steps, warmup):
     import torch
     import torch.nn as nn
-    from torch._dynamo.utils import counters
 
     torch.set_num_threads(1)
     world, rank = 1, 0
@@ -265,23 +273,7 @@ def _torch_worker(mode, model_kind, compiled, steps, warmup):
         import torch.distributed as dist
 
         barrier = dist.barrier
-    started = time.perf_counter()
-    step()
-    first_ms = 1e3 * (time.perf_counter() - started)
-    times = _launch.time_steps(step, warmup, steps, barrier)
-    result = _launch.summary(times)
-    result.update(
-        rank=rank, first_step_ms=first_ms,
-        graphs=counters["stats"].get("unique_graphs", 0),
-        graph_breaks=sum(counters["graph_break"].values()),
-        compiled_frames=counters["frames"].get("ok", 0),
-    )
-    _launch.write_rank_result(result)
-    if mode != "1p":
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    _time_and_report(step, rank, mode, steps, warmup, barrier)
 
 
 def worker(case):
