@@ -1,9 +1,11 @@
 """Keras training on N processes: gradient sync, metrics, predictions, logs.
 
-Replaces, through the seam, `Optimizer.apply` (gradients are aligned to their variables and
-averaged over data-parallel replicas), `Model.get_metrics_result` (metric
-states are summed over replicas before results are computed), and the
-predict function (predictions of every replica are gathered in order).
+Replaces, through the seam, `Optimizer.apply` (gradients are aligned to
+their variables and averaged over data-parallel replicas),
+`Model.get_metrics_result` (metric states are summed over replicas before
+results are computed), the predict function (predictions of every replica
+are gathered in order) and fit / evaluate / predict (logs and files from
+rank 0). The model boundary is `boundary.py`, jit_compile `compiled.py`.
 """
 
 import weakref
