@@ -116,6 +116,38 @@ def summary(times):
     }
 
 
+def torch_step(model, optimizer, x, y):
+    """One raw-torch training step as the benchmarks time it: zero_grad,
+    forward, MSE, backward, optimizer step. The last loss is kept in
+    `step.last_loss`."""
+    import torch.nn as nn
+
+    loss_fn = nn.MSELoss()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        step.last_loss = loss
+
+    return step
+
+
+def megatron_mlp_layout_map(keras, mesh, layers):
+    """The Keras LayoutMap of the benchmarks' Dense MLP on a ("model",)
+    mesh: dense_0, dense_2, ... column-parallel (kernel and bias sharded on
+    outputs), dense_1, dense_3, ... row-parallel (kernel on inputs)."""
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for i in range(layers):
+        if i % 2 == 0:
+            layout_map[f"dense_{i}/kernel"] = (None, "model")
+            layout_map[f"dense_{i}/bias"] = ("model",)
+        else:
+            layout_map[f"dense_{i}/kernel"] = ("model", None)
+    return layout_map
+
+
 def machine():
     import torch
 

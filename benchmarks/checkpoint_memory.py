@@ -35,7 +35,8 @@ import _launch  # noqa: E402
 from creation_memory import PeakSampler  # noqa: E402
 from creation_memory import _build  # noqa: E402
 from creation_memory import _layouts  # noqa: E402
-from creation_memory import _model_spec  # noqa: E402
+from creation_memory import _set_model_parallel  # noqa: E402
+from creation_memory import _start_worker  # noqa: E402
 
 
 TOLERANCE = 0.02
@@ -51,28 +52,16 @@ def _swapped(axes):
 
 def worker(case):
     import keras
-    import torch
     import torch.distributed as dist
 
     import keras_torch_distribution  # noqa: F401
     from keras_torch_distribution import checkpoint
 
-    torch.set_num_threads(1)
-    width, layers = _model_spec()
-    full_bytes = layers * (width * width + width) * 4
-    keras.distribution.initialize()
-    rank = dist.get_rank()
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+    width, layers, full_bytes, rank, mesh = _start_worker()
     axes = _layouts(width, layers)
     if case == "load":
         axes = _swapped(axes)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for path, entry in axes.items():
-        layout_map[path] = entry
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
-    )
+    _set_model_parallel(keras, mesh, axes)
     keras.utils.set_random_seed(0 if case == "save" else 1)
     path = os.environ["BENCH_CHECKPOINT"]
     gc.collect()

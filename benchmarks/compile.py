@@ -70,22 +70,16 @@ def _keras_block(keras):
 
 
 def _keras_layout_map(keras, mesh, model_kind):
-    layout_map = keras.distribution.LayoutMap(mesh)
     if model_kind == "mlp":
-        for i in range(LAYERS):
-            if i % 2 == 0:
-                layout_map[f"dense_{i}/kernel"] = (None, "model")
-                layout_map[f"dense_{i}/bias"] = ("model",)
-            else:
-                layout_map[f"dense_{i}/kernel"] = ("model", None)
-    else:
-        for name in ("query", "key", "value"):
-            layout_map[f"mha/{name}/kernel"] = (None, "model", None)
-            layout_map[f"mha/{name}/bias"] = ("model", None)
-        layout_map["mha/attention_output/kernel"] = ("model", None, None)
-        layout_map["ffn_up/kernel"] = (None, "model")
-        layout_map["ffn_up/bias"] = ("model",)
-        layout_map["ffn_down/kernel"] = ("model", None)
+        return _launch.megatron_mlp_layout_map(keras, mesh, LAYERS)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for name in ("query", "key", "value"):
+        layout_map[f"mha/{name}/kernel"] = (None, "model", None)
+        layout_map[f"mha/{name}/bias"] = ("model", None)
+    layout_map["mha/attention_output/kernel"] = ("model", None, None)
+    layout_map["ffn_up/kernel"] = (None, "model")
+    layout_map["ffn_up/bias"] = ("model",)
+    layout_map["ffn_down/kernel"] = ("model", None)
     return layout_map
 
 
@@ -260,13 +254,7 @@ def _torch_worker(mode, model_kind, compiled, steps, warmup):
         model = parallelize_module(model, mesh, _torch_tp_plan(model_kind))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     forward = torch.compile(model) if compiled else model
-    loss_fn = nn.MSELoss()
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(x), y)
-        loss.backward()
-        optimizer.step()
+    step = _launch.torch_step(forward, optimizer, x, y)
 
     barrier = None
     if mode != "1p":

@@ -103,6 +103,33 @@ def _layouts(width, layers):
     return axes
 
 
+def _start_worker():
+    """What every worker here and in checkpoint_memory.py starts with: one
+    thread, the process group; (width, layers, the model's full bytes, this
+    rank, the ("model",) mesh over every process)."""
+    import keras
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    width, layers = _model_spec()
+    keras.distribution.initialize()
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+    full_bytes = layers * (width * width + width) * 4
+    return width, layers, full_bytes, dist.get_rank(), mesh
+
+
+def _set_model_parallel(keras, mesh, axes):
+    """ModelParallel with `axes` ({variable path: axes}) as its LayoutMap."""
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for path, entry in axes.items():
+        layout_map[path] = entry
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
+
+
 def worker(case):
     import keras
     import torch
@@ -110,21 +137,10 @@ def worker(case):
 
     import keras_torch_distribution  # noqa: F401
 
-    torch.set_num_threads(1)
-    width, layers = _model_spec()
-    full_bytes = layers * (width * width + width) * 4
-    keras.distribution.initialize()
-    rank = dist.get_rank()
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+    width, layers, full_bytes, rank, mesh = _start_worker()
     axes = _layouts(width, layers)
     if case.startswith("ours"):
-        layout_map = keras.distribution.LayoutMap(mesh)
-        for path, entry in axes.items():
-            layout_map[path] = entry
-        keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layout_map)
-        )
+        _set_model_parallel(keras, mesh, axes)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor

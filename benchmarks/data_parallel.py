@@ -130,15 +130,7 @@ def _torch_worker(distributed, steps, warmup):
     x, y = _data(GLOBAL_BATCH)
     x = torch.as_tensor(x[rank * per_rank:(rank + 1) * per_rank])
     y = torch.as_tensor(y[rank * per_rank:(rank + 1) * per_rank])
-    loss_fn = nn.MSELoss()
-    last = {}
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        last["loss"] = loss
+    step = _launch.torch_step(model, optimizer, x, y)
 
     barrier = None
     if distributed:
@@ -147,7 +139,7 @@ def _torch_worker(distributed, steps, warmup):
         barrier = dist.barrier
     times = _launch.time_steps(step, warmup, steps, barrier)
     result = _launch.summary(times)
-    result.update(rank=rank, world=world, final_loss=float(last["loss"]))
+    result.update(rank=rank, world=world, final_loss=float(step.last_loss))
     _launch.write_rank_result(result)
     if distributed:
         import torch.distributed as dist

@@ -65,13 +65,7 @@ def _keras_worker(steps, warmup):
     rank = dist.get_rank()
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for i in range(LAYERS):
-        if i % 2 == 0:
-            layout_map[f"dense_{i}/kernel"] = (None, "model")
-            layout_map[f"dense_{i}/bias"] = ("model",)
-        else:
-            layout_map[f"dense_{i}/kernel"] = ("model", None)
+    layout_map = _launch.megatron_mlp_layout_map(keras, mesh, LAYERS)
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout_map)
     )
@@ -140,15 +134,7 @@ def _torch_worker(steps, warmup):
     model = parallelize_module(nn.Sequential(*modules), mesh, plan)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = (torch.as_tensor(a) for a in _data())
-    loss_fn = nn.MSELoss()
-    last = {}
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        last["loss"] = loss
+    step = _launch.torch_step(model, optimizer, x, y)
 
     times = _launch.time_steps(step, warmup, steps, dist.barrier)
     param_bytes = sum(_local_bytes(p) for p in model.parameters())
@@ -162,7 +148,7 @@ def _torch_worker(steps, warmup):
     result.update(
         rank=rank, param_bytes=param_bytes, optimizer_state_bytes=state_bytes,
         full_param_bytes=sum(p.numel() * 4 for p in model.parameters()),
-        final_loss=float(last["loss"]),
+        final_loss=float(step.last_loss),
     )
     _launch.write_rank_result(result)
     dist.barrier()
