@@ -683,18 +683,9 @@ def test_layouts_on_1d_mesh(pool2):
 
 @pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2)])
 def test_layouts_on_2d_mesh_of_two(pool2, mesh_shape):
-    axes_cases = [
-        (("batch", "model"), [S0, S1]),
-        (("model", "batch"), [S1, S0]),
-        (("batch", None), [S0, R]),
-        ((None, "model"), [R, S1]),
-        ((None, None), [R, R]),
-        ((("batch", "model"), None), [S0, S0]),
-        ((None, ("batch", "model")), [S1, S1]),
-    ]
     cases, expected = [], []
     for shape in [(6, 4), (5, 3)]:
-        for axes, placements in axes_cases:
+        for axes, placements in AXES_2X2[:-1]:  # all but the tuple-of-one axis
             cases.append((shape, axes))
             expected.append(placements)
     results = pool2.run(_layout_cases, mesh_shape, ("batch", "model"), cases)
