@@ -332,6 +332,8 @@ def _patch_table():
         Patch(TorchVariable, "__array__", variables.to_numpy, wrap=True),
         Patch(TorchVariable, "__repr__", variables.describe, wrap=True),
         Patch(keras_backend, "convert_to_numpy", tensors.to_numpy, wrap=True),
+        Patch(torch_core, "slice_update", tensors.slice_update, wrap=True),
+        Patch(torch_core, "scatter_update", tensors.scatter_update, wrap=True),
         Patch(
             torch_nn,
             "_can_use_flash_attention",

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
 
@@ -41,9 +42,49 @@ def convert_outputs(original, layer, outermost, *args, **kwargs):
     return plain tensors."""
     if not variables.has_sharded_variables():
         return original(layer, *args, **kwargs)
-    outputs = original(layer, *args, **kwargs)
+    try:
+        outputs = original(layer, *args, **kwargs)
+    except RuntimeError as error:
+        _explain_uneven(layer, error)
+        raise
     convert = plain if outermost else tensors.reduce_partial
     return keras.tree.map_structure(convert, outputs)
+
+
+def _explain_uneven(layer, error):
+    """Raise a ValueError naming the layer's unevenly sharded variables when
+    DTensor failed on a sharded dim (it cannot reshape uneven shards, and
+    every einsum kernel is reshaped)."""
+    if "shard" not in str(error).lower():
+        return
+    found = []
+    for variable in layer.weights:
+        value = _keras_compat.raw_value(variable)
+        uneven = layouts.uneven_dims(value) if isinstance(value, DTensor) else []
+        if uneven:
+            found.append((variable, uneven))
+    if not found:
+        return
+    lines = []
+    for variable, uneven in found:
+        axes = list(variable._ktd_layout.axes)
+        axes += [None] * (len(variable.shape) - len(axes))
+        for dim, _, _ in uneven:
+            axes[dim] = None
+        splits = ", ".join(f"dim {d} of size {n} over {k} processes" for d, n, k in uneven)
+        lines.append(
+            f"variable {variable.path!r} (shape {tuple(variable.shape)}, layout "
+            f"{tuple(variable._ktd_layout.axes)}) splits {splits}; a layout "
+            f"that works: {tuple(axes)}"
+        )
+    raise ValueError(
+        f"{type(layer).__name__} {layer.name!r} failed on an "
+        "unevenly sharded dim: DTensor cannot reshape a dim its mesh axis "
+        "does not divide, which einsum does with its kernel. "
+        + "; ".join(lines)
+        + ". Use a layout whose sharded dims are multiples of their mesh "
+        "axis sizes (or None for those dims)."
+    ) from error
 
 
 def outermost_call(original, layer, *args, **kwargs):

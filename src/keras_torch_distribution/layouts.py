@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import runtime
+from keras_torch_distribution.log import warn_once
 
 _torch_meshes = {}  # mesh_key -> (the world group it was built in, torch mesh)
 
@@ -182,12 +183,71 @@ def to_torch_layout(keras_layout):
 
 
 def check_rank(layout, shape, what):
-    if len(layout.axes) != len(shape):
+    """Refuse a layout with more entries than `shape` has dims.
+
+    A shorter layout is read as a prefix, as JAX reads a PartitionSpec: its
+    entries lay out the leading dims and the rest are replicated.
+    """
+    if len(layout.axes) > len(shape):
         raise ValueError(
-            f"Layout axes {layout.axes} have {len(layout.axes)} entries, but "
-            f"{what} has shape {tuple(shape)} (rank {len(shape)}). Give the "
-            "layout one entry (an axis name or None) per dim."
+            f"Layout axes {tuple(layout.axes)} have {len(layout.axes)} "
+            f"entries, but {what} has shape {tuple(shape)} (rank "
+            f"{len(shape)}). Give the layout at most one entry (an axis name "
+            "or None) per dim; a shorter layout lays out the leading dims "
+            f"and replicates the rest, e.g. {tuple(layout.axes)[: len(shape)]}."
         )
+
+
+def for_variable(torch_layout, shape, what):
+    """The layout of a variable of `shape` under `torch_layout`.
+
+    Refuses a layout longer than the shape; a shorter one lays out the
+    leading dims. A dim smaller than the number of processes sharding it
+    (1 key/value head over 2) is replicated instead, with a warning, as
+    Megatron replicates key/value heads when there are fewer than
+    tensor-parallel ranks: otherwise some ranks would hold nothing of it,
+    and DTensor cannot reshape such a dim (every einsum kernel reshapes).
+    """
+    check_rank(torch_layout, shape, what)
+    mesh = torch_layout.mesh
+    pieces = [1] * len(shape)
+    for axis, placement in enumerate(torch_layout.placements):
+        if isinstance(placement, Shard):
+            pieces[placement.dim] *= mesh.size(axis)
+    too_small = [d for d, n in enumerate(shape) if 0 < int(n) < pieces[d]]
+    if not too_small:
+        return torch_layout
+    axes = list(torch_layout.axes) + [None] * (len(shape) - len(torch_layout.axes))
+    for d in too_small:
+        axes[d] = None
+    placements = tuple(
+        Replicate() if isinstance(p, Shard) and p.dim in too_small else p
+        for p in torch_layout.placements
+    )
+    warn_once(
+        ("replicated-small-dims", what, tuple(torch_layout.axes)),
+        "%s has shape %s: layout %s splits dims %s over more processes than "
+        "they have entries, so they are replicated instead (layout %s).",
+        what,
+        tuple(shape),
+        tuple(torch_layout.axes),
+        too_small,
+        tuple(axes),
+    )
+    return TorchLayout(mesh, placements, tuple(axes))
+
+
+def uneven_dims(value):
+    """[(dim, size, processes)] of the dims a DTensor shards unevenly."""
+    pieces = {}
+    for axis, placement in enumerate(value.placements):
+        if isinstance(placement, Shard):
+            pieces[placement.dim] = pieces.get(placement.dim, 1) * value.device_mesh.size(axis)
+    return [
+        (d, int(value.shape[d]), n)
+        for d, n in sorted(pieces.items())
+        if int(value.shape[d]) % n
+    ]
 
 
 def local_box(global_shape, mesh, placements):
