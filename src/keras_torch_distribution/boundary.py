@@ -4,7 +4,8 @@ Once sharded variables exist, a layer's partial-sum outputs are reduced at
 its boundary (so a value every consumer reads, e.g. a vocabulary-sharded
 embedding lookup feeding two norms, is reduced once), and an outermost call
 returns plain tensors (the model replica's whole outputs), so losses,
-metrics and user code never meet DTensors. While a compiled step runs
+metrics and user code never meet DTensors. An outermost call takes DTensor
+inputs as their whole values. While a compiled step runs
 (`compiled.py`), the model's outermost call goes through its compiled
 forward.
 """
@@ -31,10 +32,21 @@ def layer_call(original, layer, *args, **kwargs):
     """Keras `Layer.__call__`, as the module docstring says."""
     outermost = _keras_compat.in_outer_call()
     if outermost:
+        args, kwargs = _plain_inputs(args, kwargs)
         active = _active_forward[0]
         if active is not None and active[0] is layer and not torch.compiler.is_compiling():
             return active[1](original, layer, *args, **kwargs)
     return convert_outputs(original, layer, outermost, *args, **kwargs)
+
+
+def _plain_inputs(args, kwargs):
+    """An outermost call takes DTensor inputs (keras_hub's `generate()`
+    distributes its prompt with `distribute_tensor`) as their whole values,
+    as the plain inputs fit / evaluate / predict pass. Collective when an
+    input is a sharded DTensor: call on every rank."""
+    if not any(isinstance(t, DTensor) for t in keras.tree.flatten((args, kwargs))):
+        return args, kwargs
+    return keras.tree.map_structure(plain, (args, kwargs))
 
 
 def convert_outputs(original, layer, outermost, *args, **kwargs):

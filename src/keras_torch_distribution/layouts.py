@@ -202,11 +202,13 @@ def for_variable(torch_layout, shape, what):
     """The layout of a variable of `shape` under `torch_layout`.
 
     Refuses a layout longer than the shape; a shorter one lays out the
-    leading dims. A dim smaller than the number of processes sharding it
-    (1 key/value head over 2) is replicated instead, with a warning, as
-    Megatron replicates key/value heads when there are fewer than
-    tensor-parallel ranks: otherwise some ranks would hold nothing of it,
-    and DTensor cannot reshape such a dim (every einsum kernel reshapes).
+    leading dims. Mesh axes of size 1 split nothing and are dropped (DTensor
+    then propagates sharding over fewer axes). A dim smaller than the number
+    of processes sharding it (1 key/value head over 2) is replicated
+    instead, with a warning, as Megatron replicates key/value heads when
+    there are fewer than tensor-parallel ranks: otherwise some ranks would
+    hold nothing of it, and DTensor cannot reshape such a dim (every einsum
+    kernel reshapes).
     """
     check_rank(torch_layout, shape, what)
     mesh = torch_layout.mesh
@@ -215,26 +217,39 @@ def for_variable(torch_layout, shape, what):
         if isinstance(placement, Shard):
             pieces[placement.dim] *= mesh.size(axis)
     too_small = [d for d, n in enumerate(shape) if 0 < int(n) < pieces[d]]
-    if not too_small:
-        return torch_layout
-    axes = list(torch_layout.axes) + [None] * (len(shape) - len(torch_layout.axes))
-    for d in too_small:
-        axes[d] = None
     placements = tuple(
-        Replicate() if isinstance(p, Shard) and p.dim in too_small else p
-        for p in torch_layout.placements
+        Replicate()
+        if isinstance(p, Shard) and (p.dim in too_small or mesh.size(axis) == 1)
+        else p
+        for axis, p in enumerate(torch_layout.placements)
     )
-    warn_once(
-        ("replicated-small-dims", what, tuple(torch_layout.axes)),
-        "%s has shape %s: layout %s splits dims %s over more processes than "
-        "they have entries, so they are replicated instead (layout %s).",
-        what,
-        tuple(shape),
-        tuple(torch_layout.axes),
-        too_small,
-        tuple(axes),
+    if placements == tuple(torch_layout.placements):
+        return torch_layout
+    axes = _axes_of(placements, mesh.mesh_dim_names, len(shape))
+    if too_small:
+        warn_once(
+            ("replicated-small-dims", what, tuple(torch_layout.axes)),
+            "%s has shape %s: layout %s splits dims %s over more processes "
+            "than they have entries, so they are replicated instead (layout "
+            "%s).",
+            what,
+            tuple(shape),
+            tuple(torch_layout.axes),
+            too_small,
+            axes,
+        )
+    return TorchLayout(mesh, placements, axes)
+
+
+def _axes_of(placements, axis_names, rank):
+    """Keras layout axes (one entry per dim) for DTensor placements."""
+    names = [[] for _ in range(rank)]
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            names[placement.dim].append(axis_names[axis])
+    return tuple(
+        None if not n else n[0] if len(n) == 1 else tuple(n) for n in names
     )
-    return TorchLayout(mesh, placements, tuple(axes))
 
 
 def uneven_dims(value):

@@ -117,14 +117,23 @@ def _writable_by(inputs, updates):
 
 def slice_update(original, inputs, start_indices, updates):
     """Keras' torch `slice_update`, also for plain `inputs` and DTensor
-    `updates`."""
+    `updates` or start indices (an index computed from a DTensor, as
+    keras_hub's samplers compute the cache position, is used as its full
+    value)."""
+    if isinstance(start_indices, (list, tuple)):
+        start_indices = type(start_indices)(full_value(i) for i in start_indices)
+    else:
+        start_indices = full_value(start_indices)
     return original(_writable_by(inputs, updates), start_indices, updates)
 
 
 def scatter_update(original, inputs, indices, updates, reduction=None):
     """Keras' torch `scatter_update`, also for plain `inputs` and DTensor
-    `updates`."""
-    return original(_writable_by(inputs, updates), indices, updates, reduction=reduction)
+    `updates` or indices."""
+    inputs = _writable_by(inputs, updates)
+    if not isinstance(inputs, DTensor):
+        indices = full_value(indices)
+    return original(inputs, indices, updates, reduction=reduction)
 
 
 def reduce_partial(value):
