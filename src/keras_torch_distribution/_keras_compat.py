@@ -341,6 +341,13 @@ def _patch_table():
             wrap=True,
         ),
         Patch(keras_layer.Layer, "__call__", boundary.layer_call, wrap=True),
+        Patch(keras_layer.Layer, "_get_own_losses", boundary.plain_losses, wrap=True),
+        Patch(
+            keras_layer.Layer,
+            "_get_regularization_losses",
+            boundary.plain_losses,
+            wrap=True,
+        ),
         Patch(base_optimizer.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(
             torch_adam.Adam,

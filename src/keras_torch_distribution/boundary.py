@@ -99,6 +99,18 @@ def _explain_uneven(layer, error):
     ) from error
 
 
+def plain_losses(original, layer):
+    """Keras' `Layer._get_own_losses` / `_get_regularization_losses`: losses
+    from `add_loss` (e.g. a mixture-of-experts router's load-balancing
+    loss) and from regularizers of sharded variables as plain tensors
+    (partial sums reduced), as model outputs are, so the total loss is
+    plain. Collective for DTensor losses: call on every rank."""
+    losses = original(layer)
+    if not variables.has_sharded_variables():
+        return losses
+    return [plain(loss) for loss in losses]
+
+
 def outermost_call(original, layer, *args, **kwargs):
     return convert_outputs(original, layer, True, *args, **kwargs)
 

@@ -146,10 +146,11 @@ def reduce_partial(value):
     """
     if not isinstance(value, DTensor):
         return value
-    partial = any(isinstance(p, Partial) for p in value.placements)
-    if not partial and not value.requires_grad:
-        return value
-    return _ReducePartial.apply(value)
+    if any(isinstance(p, Partial) for p in value.placements):
+        return _ReducePartial.apply(value)
+    if value.requires_grad and not torch.compiler.is_compiling():
+        value.register_hook(_locally_contiguous)
+    return value
 
 
 class _ReducePartial(torch.autograd.Function):
@@ -166,14 +167,13 @@ class _ReducePartial(torch.autograd.Function):
     as in keras_hub's rotary embeddings under a heads-sharded layout); the
     next `view` in a layer (every EinsumDense reshapes) then fails with
     "view size is not compatible with input tensor's size and stride".
-    Layer outputs pass through here, so gradients enter each layer sound.
+    Layer outputs pass through here (outputs with no partial sums get the
+    same repair as a gradient hook), so gradients enter each layer sound.
     """
 
     @staticmethod
     def forward(ctx, value):
         ctx.partial_axes = [isinstance(p, Partial) for p in value.placements]
-        if not any(ctx.partial_axes):
-            return value.view_as(value)
         placements = [
             Replicate() if partial else p
             for p, partial in zip(value.placements, ctx.partial_axes)
