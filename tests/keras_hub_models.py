@@ -139,15 +139,17 @@ def run(family, kind, directory=None, steps=("fit", "evaluate", "predict", "gene
         generated = model.generate(prompt, stop_token_ids=None)
         out["generate"] = np.asarray(generated["token_ids"])
     if directory is not None:
-        out["lora"] = _lora_round_trip(family, model, x, y, directory)
+        out["lora"] = lora_round_trip(family, x, y, directory)
     return out
 
 
-def _lora_round_trip(family, model, x, y, directory):
-    """Fine-tune with LoRA, save the LoRA weights, load them into a fresh
-    model: (its predictions, the reloaded model's predictions)."""
+def lora_round_trip(family, x, y, directory):
+    """Fine-tune a new model with LoRA, save the LoRA weights, load them
+    into another new model (the same base weights): (the tuned model's
+    predictions, the reloaded model's predictions)."""
     import keras
 
+    model = build(family)
     model.backbone.enable_lora(rank=2)
     model.compile(
         optimizer=keras.optimizers.Adam(0.05),
@@ -155,10 +157,10 @@ def _lora_round_trip(family, model, x, y, directory):
     )
     model.fit(x, y, batch_size=ROWS, epochs=1, shuffle=False, verbose=0)
     path = os.path.join(directory, f"{family}.lora.h5")
-    model.save_lora_weights(path)
+    model.backbone.save_lora_weights(path)
     tuned = np.asarray(model.predict(x, batch_size=ROWS, verbose=0))
     fresh = build(family)
     fresh.backbone.enable_lora(rank=2)
-    fresh.load_lora_weights(path)
+    fresh.backbone.load_lora_weights(path)
     reloaded = np.asarray(fresh.predict(x, batch_size=ROWS, verbose=0))
     return tuned, reloaded

@@ -20,6 +20,7 @@ from keras.src.initializers import random_initializers
 from keras.src.layers import layer as keras_layer
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer
+from keras.src.saving import saving_lib
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator
 from keras.src.backend.torch import trainer as torch_trainer
@@ -380,6 +381,18 @@ def _patch_table():
         Patch(keras_model.Model, "fit", trainer.quiet_on_other_ranks, wrap=True),
         Patch(keras_model.Model, "save", saving.save, wrap=True),
         Patch(keras_model.Model, "save_weights", saving.save_weights, wrap=True),
+        *[
+            Patch(store, name, replacement, wrap=True)
+            for store in (
+                saving_lib.H5IOStore,
+                saving_lib.ShardedH5IOStore,
+                saving_lib.NpzIOStore,
+            )
+            for name, replacement in (
+                ("__init__", saving.store_init),
+                ("close", saving.store_close),
+            )
+        ],
         Patch(keras_model.Model, "evaluate", trainer.quiet_on_other_ranks, wrap=True),
         Patch(keras_model.Model, "predict", trainer.quiet_on_other_ranks, wrap=True),
         Patch(keras.callbacks.BackupAndRestore, "_save_model", checkpoint.backup_save, wrap=True),
