@@ -11,6 +11,7 @@ import os
 import keras
 from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state
+from keras.src.backend.common import name_scope
 from keras.src.backend.torch import core as torch_core
 from keras.src.backend.torch import nn as torch_nn
 from keras.src.backend.torch import random as torch_random
@@ -211,6 +212,12 @@ def keras_generator_for_seed(seed):
     return torch_random.torch_seed_generator(seed)
 
 
+def current_name_scope():
+    """The path of the Keras name scope open now ('' outside any), e.g. a
+    layer's path while Keras lays out its output."""
+    return name_scope.current_path()
+
+
 def in_outer_call():
     """True when no Keras layer call is in progress (the next is outermost)."""
     return global_state.get_global_attribute("current_call_ctx") is None
@@ -381,6 +388,13 @@ def _patch_table():
         Patch(keras_model.Model, "fit", trainer.quiet_on_other_ranks, wrap=True),
         Patch(keras_model.Model, "save", saving.save, wrap=True),
         Patch(keras_model.Model, "save_weights", saving.save_weights, wrap=True),
+        Patch(keras_model.Model, "summary", saving.summary, wrap=True),
+        Patch(
+            keras_distribution_lib.Distribution,
+            "__init__",
+            distribution_lib.check_distribution,
+            wrap=True,
+        ),
         *[
             Patch(store, name, replacement, wrap=True)
             for store in (

@@ -55,7 +55,27 @@ def to_torch_mesh(keras_mesh):
     # holds dead groups: build it anew for the running group.
     if cached is not None and cached[0] is world_group:
         return cached[1]
+    check_mesh(keras_mesh, world)
     shape, axis_names, devices = key
+    ranks = [device_rank(d) for d in devices]
+    kinds = {str(d).split(":")[0].lower() for d in devices}
+    device_type = "cuda" if kinds & {"gpu", "cuda"} else "cpu"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"DeviceMesh devices {list(devices)} are GPUs, but CUDA is not "
+            "available in this process. Use keras.distribution.list_devices('cpu')."
+        )
+    rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
+    _check_rank_order(rank_grid, axis_names, devices)
+    mesh = TorchDeviceMesh(device_type, rank_grid, mesh_dim_names=axis_names)
+    _torch_meshes[key] = (world_group, mesh)
+    return mesh
+
+
+def check_mesh(keras_mesh, world):
+    """Refuse a mesh that does not hold each of the `world` processes once
+    (one device per process) or that repeats an axis name."""
+    shape, axis_names, devices = mesh_key(keras_mesh)
     if len(devices) != world:
         raise ValueError(
             f"DeviceMesh shape={shape} has {len(devices)} devices, but "
@@ -75,18 +95,6 @@ def to_torch_mesh(keras_mesh):
             f"DeviceMesh axis_names {list(axis_names)} repeat a name; each "
             "mesh axis needs its own name."
         )
-    kinds = {str(d).split(":")[0].lower() for d in devices}
-    device_type = "cuda" if kinds & {"gpu", "cuda"} else "cpu"
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"DeviceMesh devices {list(devices)} are GPUs, but CUDA is not "
-            "available in this process. Use keras.distribution.list_devices('cpu')."
-        )
-    rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
-    _check_rank_order(rank_grid, axis_names, devices)
-    mesh = TorchDeviceMesh(device_type, rank_grid, mesh_dim_names=axis_names)
-    _torch_meshes[key] = (world_group, mesh)
-    return mesh
 
 
 def _check_rank_order(rank_grid, axis_names, devices):
@@ -192,9 +200,9 @@ def check_rank(layout, shape, what):
         raise ValueError(
             f"Layout axes {tuple(layout.axes)} have {len(layout.axes)} "
             f"entries, but {what} has shape {tuple(shape)} (rank "
-            f"{len(shape)}). Give the layout at most one entry (an axis name "
-            "or None) per dim; a shorter layout lays out the leading dims "
-            f"and replicates the rest, e.g. {tuple(layout.axes)[: len(shape)]}."
+            f"{len(shape)}). Give the layout one entry (an axis name or None) "
+            "per dim, or fewer: a shorter layout lays out the leading dims "
+            f"and replicates the rest (e.g. {tuple(layout.axes)[: len(shape)]})."
         )
 
 

@@ -10,7 +10,8 @@ The same holds for every file Keras' weight stores write (`H5IOStore`,
 writing at a path writes into a scratch directory instead, and closing a
 store waits until every rank has closed its own, so rank 0's file is
 complete when any rank goes on (to read it back, say).
-File-writing callbacks (CSVLogger, TensorBoard) write from rank 0 only.
+File-writing callbacks (CSVLogger, TensorBoard) write, and `model.summary()`
+prints, from rank 0 only.
 """
 
 import atexit
@@ -93,6 +94,21 @@ def store_close(original, store):
             shutil.rmtree(scratch, ignore_errors=True)
         if collective:
             dist.barrier()
+
+
+def summary(original, model, *args, **kwargs):
+    """Keras `Model.summary`: printed by rank 0 only. A `print_fn` passed
+    in is called on every rank (it may collect the text)."""
+    if runtime.process_id() != 0:
+        bound = inspect.signature(original).bind(model, *args, **kwargs)
+        if bound.arguments.get("print_fn") is None:
+            bound.arguments["print_fn"] = _discard
+            return original(*bound.args, **bound.kwargs)
+    return original(model, *args, **kwargs)
+
+
+def _discard(*args, **kwargs):
+    del args, kwargs
 
 
 def callbacks_for_this_rank(callbacks):

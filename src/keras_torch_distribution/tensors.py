@@ -47,12 +47,13 @@ def from_local_block(block, torch_layout, global_shape):
     )
 
 
-def to_layout(value, torch_layout):
-    """`value` as a DTensor of `torch_layout`.
+def to_layout(value, torch_layout, what="the tensor"):
+    """`value` as a DTensor of `torch_layout` (a shorter layout lays out the
+    leading dims; `what` names the value in errors).
 
     Collective when `value` is a DTensor of another layout: call on every rank.
     """
-    layouts.check_rank(torch_layout, tuple(value.shape), "the tensor")
+    layouts.check_rank(torch_layout, tuple(value.shape), what)
     if isinstance(value, DTensor):
         if value.device_mesh == torch_layout.mesh:
             if tuple(value.placements) == tuple(torch_layout.placements):
