@@ -343,6 +343,9 @@ def _patch_table():
         Patch(torch_core, "slice_update", tensors.slice_update, wrap=True),
         Patch(torch_core, "scatter_update", tensors.scatter_update, wrap=True),
         Patch(
+            torch_nn, "batch_normalization", tensors.batch_normalization, wrap=True
+        ),
+        Patch(
             torch_nn,
             "_can_use_flash_attention",
             compiled.can_use_flash_attention,

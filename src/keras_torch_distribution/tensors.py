@@ -61,6 +61,13 @@ def to_layout(value, torch_layout, what="the tensor"):
             return value.redistribute(torch_layout.mesh, torch_layout.placements)
         return to_layout(full_value(value), torch_layout)
     value = as_torch(value)
+    if value.requires_grad:
+        # Differentiably, as the replicated value it is: the gradient of
+        # this rank's block comes back gathered (every rank's rows), where
+        # slicing a block would hand back this rank's rows only.
+        mesh = torch_layout.mesh
+        replicated = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return replicated.redistribute(mesh, torch_layout.placements)
     return from_local_block(
         local_block(value, torch_layout), torch_layout, tuple(value.shape)
     )
@@ -99,21 +106,41 @@ def _writable_by(inputs, updates):
     would change a sharded tensor's placement (keras_hub's samplers write
     each new token into a batch-sharded prompt). When either is a DTensor,
     the write goes into a replicated DTensor: a plain `inputs` is the
-    replicated value it stands for (as implicit replication reads it), a
-    sharded one is gathered. Collective when `inputs` is a sharded DTensor:
-    call on every rank.
+    replicated value it stands for (see `_replicated_beside`), a sharded one
+    is gathered. Collective when `inputs` is a sharded DTensor: call on
+    every rank.
     """
     if isinstance(inputs, DTensor):
         mesh = inputs.device_mesh
         if all(isinstance(p, Replicate) for p in inputs.placements):
             return inputs
         return inputs.redistribute(mesh, [Replicate()] * mesh.ndim)
-    if not isinstance(updates, DTensor) or not isinstance(inputs, torch.Tensor):
-        return inputs
-    mesh = updates.device_mesh
+    return _replicated_beside(inputs, [updates])
+
+
+def _replicated_beside(value, others):
+    """A plain `value` as the replicated DTensor implicit replication reads
+    it as, on the mesh of the first DTensor among `others` (for Keras ops
+    that update a plain tensor in place with them); else `value`."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    like = next((t for t in others if isinstance(t, DTensor)), None)
+    if like is None:
+        return value
+    mesh = like.device_mesh
     return DTensor.from_local(
-        inputs.to(updates.device), mesh, [Replicate()] * mesh.ndim, run_check=False
+        value.to(like.device), mesh, [Replicate()] * mesh.ndim, run_check=False
     )
+
+
+def batch_normalization(original, x, mean, variance, axis, offset=None, scale=None,
+                        epsilon=1e-3):
+    """Keras' torch `batch_normalization`, which scales `x - mean` in place
+    by `scale`: a plain `x` with sharded `gamma` / `beta` / moving
+    statistics (a LayoutMap sharding a BatchNormalization) becomes the
+    replicated DTensor it stands for."""
+    x = _replicated_beside(x, (mean, variance, offset, scale))
+    return original(x, mean, variance, axis, offset, scale, epsilon)
 
 
 def slice_update(original, inputs, start_indices, updates):
@@ -137,46 +164,30 @@ def scatter_update(original, inputs, indices, updates, reduction=None):
     return original(inputs, indices, updates, reduction=reduction)
 
 
-def settle(value):
-    """A layer's output as the next layer takes it: partial sums reduced,
-    and a value replicated on every mesh axis as a plain tensor (the value
-    implicit replication reads a plain tensor as). Fewer DTensor ops, and
-    the plain values computed beside it (masks and their (1,)-shaped sums,
-    as keras_hub's MoE load-balancing loss computes) meet plain tensors,
-    not DTensors, so DTensor does not warn "Found a non-scalar tensor with
-    numel=1". Differentiable (see `_Settle`). Collective for DTensors with
-    a Partial placement: call on every rank.
+def reduce_partial(value):
+    """A layer's output as the next layer takes it: a DTensor with its
+    partial sums reduced (other placements kept).
+
+    Differentiable: the gradient flows back replicated on the reduced mesh
+    axes, and gradients reaching any layer output get a local block laid
+    out as the gradient says (see `_ReducePartial`). Collective for
+    DTensors with a Partial placement: call on every rank.
     """
-    if not isinstance(value, DTensor):
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            _repair_gradients(value)
+    if not isinstance(value, torch.Tensor):
         return value
-    partial = any(isinstance(p, Partial) for p in value.placements)
-    replicated = all(isinstance(p, (Partial, Replicate)) for p in value.placements)
-    if partial or replicated:
-        return _Settle.apply(value)
-    if value.requires_grad:
-        _repair_gradients(value)
+    if isinstance(value, DTensor) and any(isinstance(p, Partial) for p in value.placements):
+        return _ReducePartial.apply(value)
+    if value.requires_grad and not torch.compiler.is_compiling():
+        value.register_hook(_locally_contiguous)
     return value
 
 
-def _repair_gradients(value):
-    """Give the gradients that reach `value` a sound local block (see
-    `_Settle`)."""
-    if not torch.compiler.is_compiling():
-        value.register_hook(_locally_contiguous)
-
-
-class _Settle(torch.autograd.Function):
-    """Partial -> Replicate forward, and a replicated result as its plain
-    local tensor; the gradient comes back Replicate on the reduced axes.
+class _ReducePartial(torch.autograd.Function):
+    """Partial -> Replicate forward; the gradient comes back Replicate there.
 
     DTensor's own `redistribute` would send the gradient back to the source
     placement, which fails for the masked partial sums of a vocabulary-sharded
-    embedding lookup (Partial(sum) -> MaskPartial is unsupported). A plain
-    result is a fresh tensor (the reduction's, or a copy: later in-place ops
-    on it must not reach a DTensor that autograd saved, and torch's
-    `to_local()` view forbids them).
+    embedding lookup (Partial(sum) -> MaskPartial is unsupported).
 
     The backward also gives the gradient a local block laid out as the
     gradient's own strides say. torch 2.13's DTensor can produce gradients
@@ -185,33 +196,21 @@ class _Settle(torch.autograd.Function):
     as in keras_hub's rotary embeddings under a heads-sharded layout); the
     next `view` in a layer (every EinsumDense reshapes) then fails with
     "view size is not compatible with input tensor's size and stride".
-    Layer outputs pass through here (sharded ones get the same repair as a
-    gradient hook), so gradients enter each layer sound.
+    Every layer output passes through here or gets the same repair as a
+    gradient hook, so gradients enter each layer sound.
     """
 
     @staticmethod
     def forward(ctx, value):
-        mesh = value.device_mesh
-        ctx.mesh = mesh
         ctx.partial_axes = [isinstance(p, Partial) for p in value.placements]
         placements = [
             Replicate() if partial else p
             for p, partial in zip(value.placements, ctx.partial_axes)
         ]
-        reduced = value
-        if any(ctx.partial_axes):
-            reduced = value.redistribute(mesh, placements)
-        if not all(isinstance(p, Replicate) for p in placements):
-            return reduced
-        local = reduced.to_local()
-        return local if reduced is not value else local.clone()
+        return value.redistribute(value.device_mesh, placements)
 
     @staticmethod
     def backward(ctx, grad):
-        if not isinstance(grad, DTensor):
-            return DTensor.from_local(
-                grad, ctx.mesh, [Replicate()] * ctx.mesh.ndim, run_check=False
-            )
         placements = [
             Replicate() if partial else p
             for p, partial in zip(grad.placements, ctx.partial_axes)
@@ -223,7 +222,7 @@ class _Settle(torch.autograd.Function):
 
 def _locally_contiguous(value):
     """`value` with a contiguous local block when the DTensor says it is
-    contiguous (see `_Settle`); plain tensors as they are."""
+    contiguous (see `_ReducePartial`); plain tensors as they are."""
     if not isinstance(value, DTensor):
         return value
     local = value.to_local()

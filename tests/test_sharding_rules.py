@@ -1,0 +1,211 @@
+"""DTensor rules for attention (every SDPA op, masks included) and Keras'
+slice/scatter updates meeting DTensors, against one process.
+
+The CUDA attention kernels cannot run on CPU: their rules are checked
+against the ops' schemas (one placement per tensor argument and result)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras_torch_distribution import sharding_rules
+
+B, H, L, D = 4, 2, 8, 4
+
+
+def _spec(shape, placements=(Replicate(),), mesh_shape=(2,)):
+    return SimpleNamespace(
+        tensor_meta=SimpleNamespace(shape=tuple(shape)),
+        placements=tuple(placements),
+        mesh=SimpleNamespace(shape=tuple(mesh_shape)),
+    )
+
+
+def _arguments(op, mask_shape):
+    """Positional args and kwargs for `op`'s rule: specs for its tensors
+    (a mask of `mask_shape` where it takes one, None for no mask)."""
+    args, kwargs = [], {}
+    for argument in op._schema.arguments:
+        kind = str(argument.type)
+        role = sharding_rules._ARGUMENT_ROLES.get(argument.name)
+        if role == sharding_rules.MASK:
+            value = None if mask_shape is None else _spec(mask_shape)
+        elif "Tensor" in kind:
+            value = _spec((B, H, L, D) if role == sharding_rules.HEADS else (2,))
+        elif "bool[" in kind:
+            value = [True] * 4
+        elif "bool" in kind:
+            value = False
+        elif "float" in kind:
+            value = 0.0
+        else:
+            value = L
+        if argument.kwarg_only:
+            kwargs[argument.name] = value
+        else:
+            args.append(value)
+    return args, kwargs
+
+
+@pytest.mark.parametrize("op", sharding_rules._attention_ops(), ids=str)
+@pytest.mark.parametrize("mask_shape", [None, (B, 1, L, L), (B, H, L, L), (L, L)])
+def test_attention_rules_place_every_tensor_of_the_schema(op, mask_shape):
+    takes_mask = any(
+        sharding_rules._ARGUMENT_ROLES.get(a.name) == sharding_rules.MASK
+        for a in op._schema.arguments
+    )
+    if mask_shape is not None and not takes_mask:
+        pytest.skip(f"{op} takes no mask")
+    args, kwargs = _arguments(op, mask_shape)
+    options = sharding_rules._attention_rule(op)(*args, **kwargs)
+    tensors = [
+        name
+        for name, value in zip(
+            [a.name for a in op._schema.arguments], args + list(kwargs.values())
+        )
+        if value is not None and hasattr(value, "tensor_meta")
+    ]
+    mask_name = next((n for n in ("attn_mask", "attn_bias") if n in tensors), None)
+    assert all(p == Replicate() for p in options[0][1] if p is not None)
+    if mask_name is None or mask_name not in kwargs:
+        assert len(options) == 3, options  # replicated, sharded on batch, on heads
+    for outputs, inputs in options:
+        assert len(outputs) == len(op._schema.returns), (op, outputs)
+        placed = [n for n, p in zip([a.name for a in op._schema.arguments], inputs) if p is not None]
+        assert placed == tensors, (op, inputs)
+    if mask_name is None or mask_name in kwargs:
+        return
+    # A positional mask follows the heads where it spans them, and is
+    # replicated where it broadcasts (the kwarg masks keep their placement).
+    names = [a.name for a in op._schema.arguments]
+    by_strategy = {repr(inputs[names.index("query")]): inputs[names.index(mask_name)]
+                   for _, inputs in options}
+    heads = by_strategy[repr(Shard(1))]
+    assert heads == (Shard(1) if mask_shape[-3:-2] == (H,) else Replicate()), mask_shape
+
+
+def test_a_kwarg_mask_keeps_its_placement():
+    """DTensor does not reshard kwargs: the CPU kernel's attn_mask must be
+    used where it is, so only strategies that keep it are offered."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    rule = sharding_rules._attention_rule(op)
+    q = _spec((B, H, L, D))
+    replicated_full = rule(q, q, q, attn_mask=_spec((B, H, L, L)))
+    assert [o[1][0] for o in replicated_full] == [Replicate()]
+    broadcast = rule(q, q, q, attn_mask=_spec((B, 1, L, L)))
+    assert [o[1][0] for o in broadcast] == [Replicate(), Shard(1)]
+    batch_sharded = rule(q, q, q, attn_mask=_spec((B, 1, L, L), (Shard(0),)))
+    assert [o[1][0] for o in batch_sharded] == [Shard(0)]
+    with pytest.raises(ValueError, match="placed the same way on every mesh axis"):
+        rule(q, q, q, attn_mask=_spec((B, H, L, L), (Shard(0), Shard(1)), (2, 2)))
+
+
+def test_rules_are_registered_and_cached_by_mask():
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for op in sharding_rules._attention_ops():
+        assert op in propagator.op_strategy_funcs, op
+    info = propagator.op_to_schema_info[
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    ]
+    assert "attn_mask" in info.static_kwargkey
+
+
+# ---------------------------------------------------------------------------
+# Two processes
+# ---------------------------------------------------------------------------
+
+
+def attention_cases(cases):
+    """F.scaled_dot_product_attention on DTensors: (placements, forward and
+    gradient errors against plain tensors) per (mask shape, q/k/v placement,
+    mask placement or None for a plain mask)."""
+    import keras
+    import torch.nn.functional as F
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = keras.distribution.DeviceMesh((2,), ["model"], keras.distribution.list_devices())
+    results = []
+    for mask_shape, dim, mask_dim in cases:
+        torch.manual_seed(0)
+        plain = [torch.randn(B, H, L, D, requires_grad=True) for _ in range(3)]
+        mask = torch.where(torch.rand(*mask_shape) > 0.3, 0.0, -1e9)
+        mask[..., 0] = 0.0
+        want = F.scaled_dot_product_attention(*plain, attn_mask=mask)
+        want.sum().backward()
+        sharded = [
+            distribute_tensor(t.detach(), mesh.backend_mesh, [Shard(dim)]).requires_grad_()
+            for t in plain
+        ]
+        if mask_dim is not None:
+            mask = distribute_tensor(mask, mesh.backend_mesh, [Shard(mask_dim)])
+        got = F.scaled_dot_product_attention(*sharded, attn_mask=mask)
+        got.sum().backward()
+        results.append((
+            str(tuple(got.placements)),
+            float((got.full_tensor() - want).abs().max()),
+            max(float((s.grad.full_tensor() - p.grad).abs().max()) for s, p in zip(sharded, plain)),
+        ))
+    return results
+
+
+ATTENTION_CASES = [
+    ((B, 1, L, L), 1, None, "(Shard(dim=1),)"),  # broadcast over heads: stays sharded
+    ((L, L), 0, None, "(Shard(dim=0),)"),
+    ((B, 1, L, L), 0, None, "(Replicate(),)"),  # plain batch mask: gathered
+    ((B, H, L, L), 1, None, "(Replicate(),)"),
+    ((B, 1, L, L), 0, 0, "(Shard(dim=0),)"),  # a sharded mask keeps the batch sharded
+    ((B, H, L, L), 1, 1, "(Shard(dim=1),)"),
+]
+
+
+def test_masked_attention_on_dtensors_matches_plain(pool2):
+    cases = [case[:3] for case in ATTENTION_CASES]
+    for results in pool2.run(attention_cases, cases):
+        for (mask_shape, dim, mask_dim, placements), (got, forward, backward) in zip(
+            ATTENTION_CASES, results
+        ):
+            where = (mask_shape, dim, mask_dim)
+            assert got == placements, where
+            assert forward < 1e-5 and backward < 1e-5, (where, forward, backward)
+
+
+def updates_into_plain():
+    """keras.ops.slice_update / scatter_update with plain inputs and DTensor
+    updates or indices, as keras_hub's cached attention and samplers do."""
+    import keras
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = keras.distribution.DeviceMesh((2,), ["model"], keras.distribution.list_devices())
+    cache = torch.zeros(2, 6, 4)
+    update = torch.arange(2 * 2 * 4, dtype=torch.float32).reshape(2, 2, 4)
+    heads = distribute_tensor(update, mesh.backend_mesh, [Shard(2)])
+    index = distribute_tensor(torch.tensor(3), mesh.backend_mesh, [Replicate()])
+    sliced = keras.ops.slice_update(cache, [0, 1, 0], heads)
+    at_index = keras.ops.slice_update(cache, [0, index, 0], update)
+    rows = distribute_tensor(torch.ones(2, 4), mesh.backend_mesh, [Shard(0)])
+    scattered = keras.ops.scatter_update(torch.zeros(5, 4), [[1], [3]], rows)
+    return [
+        (type(t).__name__, np.asarray(keras.ops.convert_to_numpy(t)))
+        for t in (sliced, at_index, scattered)
+    ]
+
+
+def test_slice_and_scatter_updates_write_dtensors_into_plain_tensors(pool2):
+    cache = np.zeros((2, 6, 4), "float32")
+    update = np.arange(16, dtype="float32").reshape(2, 2, 4)
+    want_sliced = cache.copy()
+    want_sliced[:, 1:3] = update
+    want_index = cache.copy()
+    want_index[:, 3:5] = update
+    want_scattered = np.zeros((5, 4), "float32")
+    want_scattered[[1, 3]] = 1.0
+    for sliced, at_index, scattered in pool2.run(updates_into_plain):
+        assert sliced[0] == "DTensor" and scattered[0] == "DTensor"
+        np.testing.assert_array_equal(sliced[1], want_sliced)
+        np.testing.assert_array_equal(at_index[1], want_index)
+        np.testing.assert_array_equal(scattered[1], want_scattered)
