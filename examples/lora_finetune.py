@@ -25,7 +25,7 @@ import keras  # noqa: E402
 import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 
-import keras_torch_distribution  # noqa: E402,F401
+import keras_torch_distribution as ktd  # noqa: E402
 
 SEQUENCE_LENGTH = 24
 BASE_CORPUS = [
@@ -58,7 +58,7 @@ keras.distribution.set_distribution(
 
 
 def say(*args):
-    if keras_torch_distribution.runtime.process_id() == 0:
+    if ktd.runtime.process_id() == 0:
         print(*args, flush=True)
 
 
@@ -113,14 +113,14 @@ def base_weights_path(directory):
 
 def main(directory):
     lm = model()
-    compile_for(lm, 1e-2)
-    history = lm.fit(BASE_CORPUS, batch_size=8, epochs=8, verbose=0)
+    compile_for(lm, 2e-2)
+    history = lm.fit(BASE_CORPUS, batch_size=8, epochs=16, verbose=0)
     say("base loss per epoch:", [round(v, 3) for v in history.history["loss"]])
     lm.save_weights(base_weights_path(directory))
 
     enable_lora(lm)
     compile_for(lm, 3e-2)
-    history = lm.fit(TASK_CORPUS, batch_size=8, epochs=8, verbose=0)
+    history = lm.fit(TASK_CORPUS, batch_size=8, epochs=12, verbose=0)
     say("LoRA loss per epoch:", [round(v, 3) for v in history.history["loss"]])
     generated = lm.generate(["the cat sat", "the dog"], max_length=SEQUENCE_LENGTH)
     say("generated:", [text.strip() for text in generated])

@@ -25,6 +25,7 @@ from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution import saving
 from keras_torch_distribution import variables
+from keras_torch_distribution import variables as ktd_variables
 
 _apply_depth = [0]
 _reducers = weakref.WeakKeyDictionary()  # optimizer -> OverlappedReducer
@@ -100,6 +101,11 @@ def _overlapped_reducer(optimizer, variables, group):
         reducer.remove()
         del _reducers[optimizer]
     if any(isinstance(p, DTensor) or not p.requires_grad for p in params):
+        return None
+    if ktd_variables.has_sharded_variables():
+        # Plain variables beside sharded ones (LoRA adapters on sharded
+        # kernels) get DTensor gradients, which the synchronous path aligns
+        # to their variables before averaging.
         return None
     reducer = overlap.OverlappedReducer(params, group.group, group.count)
     _reducers[optimizer] = reducer
