@@ -342,9 +342,7 @@ def _patch_table():
         Patch(keras_backend, "convert_to_numpy", tensors.to_numpy, wrap=True),
         Patch(torch_core, "slice_update", tensors.slice_update, wrap=True),
         Patch(torch_core, "scatter_update", tensors.scatter_update, wrap=True),
-        Patch(
-            torch_nn, "batch_normalization", tensors.batch_normalization, wrap=True
-        ),
+        Patch(torch_nn, "batch_normalization", tensors.batch_normalization, wrap=True),
         Patch(
             torch_nn,
             "_can_use_flash_attention",
@@ -352,13 +350,10 @@ def _patch_table():
             wrap=True,
         ),
         Patch(keras_layer.Layer, "__call__", boundary.layer_call, wrap=True),
-        Patch(keras_layer.Layer, "_get_own_losses", boundary.plain_losses, wrap=True),
-        Patch(
-            keras_layer.Layer,
-            "_get_regularization_losses",
-            boundary.plain_losses,
-            wrap=True,
-        ),
+        *[
+            Patch(keras_layer.Layer, name, boundary.plain_losses, wrap=True)
+            for name in ("_get_own_losses", "_get_regularization_losses")
+        ],
         Patch(base_optimizer.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(
             torch_adam.Adam,
@@ -392,12 +387,8 @@ def _patch_table():
         Patch(keras_model.Model, "save", saving.save, wrap=True),
         Patch(keras_model.Model, "save_weights", saving.save_weights, wrap=True),
         Patch(keras_model.Model, "summary", saving.summary, wrap=True),
-        Patch(
-            keras_distribution_lib.Distribution,
-            "__init__",
-            distribution_lib.check_distribution,
-            wrap=True,
-        ),
+        Patch(keras_distribution_lib.Distribution, "__init__",
+              distribution_lib.check_distribution, wrap=True),
         *[
             Patch(store, name, replacement, wrap=True)
             for store in (
