@@ -331,6 +331,7 @@ def _patch_table():
         Patch(TorchVariable, "_direct_assign", variables.direct_assign, wrap=True),
         Patch(TorchVariable, "__array__", variables.to_numpy, wrap=True),
         Patch(TorchVariable, "__repr__", variables.describe, wrap=True),
+        Patch(TorchVariable, "_maybe_autocast", variables.value_for_use, wrap=True),
         Patch(keras_backend, "convert_to_numpy", tensors.to_numpy, wrap=True),
         Patch(
             torch_nn,

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import fsdp
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
 
@@ -33,6 +34,9 @@ def layer_call(original, layer, *args, **kwargs):
         active = _active_forward[0]
         if active is not None and active[0] is layer and not torch.compiler.is_compiling():
             return active[1](original, layer, *args, **kwargs)
+        if fsdp.plans_exist():
+            with fsdp.regathering_in_backward():
+                return convert_outputs(original, layer, outermost, *args, **kwargs)
     return convert_outputs(original, layer, outermost, *args, **kwargs)
 
 

@@ -5,11 +5,10 @@ coordinate on the batch axis of the mesh). Replicas compute on their own
 rows with plain local tensors; their gradients and metric states meet in one
 all-reduce over the batch process group.
 
-A batch axis that also shards variables (Keras' ModelParallel on a 1-D
-"model" mesh uses its only axis for both) acts as a model axis: every
-process computes on the whole global batch and the variables sharded on it
-are tensor-parallel there, so there is one replica. The numbers are the same
-either way; this way no weight is gathered per step.
+The batch axis is always data, as on JAX, also when variables are sharded
+on it (Keras' ModelParallel on a 1-D "model" mesh uses its only axis for
+both): those variables are FSDP (`fsdp.py`), gathered along the batch axis
+for use, while each replica computes on its own rows.
 """
 
 from dataclasses import dataclass
@@ -72,7 +71,7 @@ def _build(distribution):
         )
     index = axis_names.index(batch_axis)
     count = int(keras_mesh.shape[index])
-    if count == 1 or batch_axis in _axes_sharding_variables(distribution):
+    if count == 1:
         return Replicas(1, 0, None)
     torch_mesh = layouts.to_torch_mesh(keras_mesh)
     coordinate = torch_mesh.get_coordinate()[index]
@@ -81,15 +80,6 @@ def _build(distribution):
     else:
         group = torch_mesh.get_group(batch_axis)
     return Replicas(count, int(coordinate), group)
-
-
-def _axes_sharding_variables(distribution):
-    names = set()
-    for layout in _keras_compat.layout_map_layouts(distribution):
-        for entry in layout.axes:
-            names.update(entry if isinstance(entry, (tuple, list)) else (entry,))
-    names.discard(None)
-    return names
 
 
 def clear_cache():

@@ -66,12 +66,19 @@ _eager_apply = torch._dynamo.disable(
 )
 
 
-def _synchronize(optimizer, grads, variables, group):
+def _synchronize(optimizer, grads, variables_, group):
     steps = optimizer.gradient_accumulation_steps
-    reducer = None if steps else _overlapped_reducer(optimizer, variables, group)
+    reducer = None if steps else _overlapped_reducer(optimizer, variables_, group)
     if reducer is not None and reducer.finish(grads):
         return
-    local = [gradients.local_part(g) for g in grads if g is not None]
+    # Gradients of variables sharded on the batch axis (FSDP) arrive
+    # reduce-scattered and averaged by their gather's backward.
+    replicated = [variables.gather_plan(v) is None for v in variables_]
+    local = [
+        gradients.local_part(g)
+        for g, keep in zip(grads, replicated)
+        if g is not None and keep
+    ]
     scale = data.batch_scale()
     if steps:
         # Accumulate local gradients; average once per real step, together
@@ -82,7 +89,8 @@ def _synchronize(optimizer, grads, variables, group):
         iteration = _keras_compat.apply_count(optimizer)
         if (iteration + 1) % steps:
             return
-        accumulators = _keras_compat.gradient_accumulators(optimizer, variables)
+        kept = [v for v, keep in zip(variables_, replicated) if keep]
+        accumulators = _keras_compat.gradient_accumulators(optimizer, kept)
         local += [gradients.local_part(_keras_compat.raw_value(a)) for a in accumulators]
         scale = 1.0
     gradients.all_reduce_mean(local, group.group, group.count, scale)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import fsdp
 from keras_torch_distribution import layouts
 from keras_torch_distribution import sharded_init
 from keras_torch_distribution import tensors
@@ -70,9 +71,39 @@ def sharded_layout(variable):
         layouts.check_rank(torch_layout, variable.shape, f"variable {variable.path!r}")
         if not torch_layout.is_sharded:
             torch_layout = None
+    distribution = _keras_compat.current_distribution()
     variable._ktd_layout = torch_layout
-    variable._ktd_distributed = _keras_compat.current_distribution() is not None
+    variable._ktd_distributed = distribution is not None
+    variable._ktd_gather = None
+    if torch_layout is not None and distribution is not None:
+        variable._ktd_gather = fsdp.plan_for(
+            torch_layout, variable.shape, distribution.batch_dim_name
+        )
     return torch_layout
+
+
+def gather_plan(variable):
+    """The FSDP GatherPlan of a variable sharded on the batch axis, else None."""
+    return getattr(variable, "_ktd_gather", None)
+
+
+def value_for_use(original, variable, value):
+    """Keras `Variable._maybe_autocast`, which every read of a variable's
+    value goes through: inside a layer call, a variable sharded on the batch
+    axis is gathered along it for use (see `fsdp`), after Keras' autocast
+    (so mixed precision gathers in the compute dtype). Outside layer calls,
+    and while Keras traces shapes on the meta device, the stored value."""
+    value = original(variable, value)
+    plan = variable.__dict__.get("_ktd_gather")
+    if (
+        plan is None
+        or not isinstance(value, DTensor)
+        or tuple(value.placements) != plan.stored
+        or _keras_compat.in_outer_call()
+        or str(_keras_compat.torch_device()) == "meta"
+    ):
+        return value
+    return fsdp.gather_for_use(value, plan)
 
 
 def warn_if_created_outside(variables, distribution):
