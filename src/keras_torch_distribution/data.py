@@ -22,13 +22,32 @@ from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution.log import warn_once
 
-_batch_scale = [1.0]
+class BatchWeight:
+    """How much this replica's current batch weighs against an even share:
+    rows here * replicas / rows in the global batch (1.0 for even batches).
+
+    Set for each batch as the data adapter yields it, read by the gradient
+    averaging of that batch's step, and reset to 1.0 once the step's update
+    is applied, so no step inherits another's weight (train_on_batch after a
+    fit whose last batch was partial, per-process input, generators).
+    """
+
+    def __init__(self):
+        self.value = 1.0
+
+    def set(self, value):
+        self.value = float(value)
+
+    def reset(self):
+        self.value = 1.0
+
+
+batch_weight = BatchWeight()
 
 
 def batch_scale():
-    """How much this replica's last batch weighs against an even share:
-    rows here * replicas / rows in the global batch (1.0 for even batches)."""
-    return _batch_scale[0]
+    """The current batch's weight (see BatchWeight)."""
+    return batch_weight.value
 
 
 def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
@@ -54,14 +73,14 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
         adapter = original(**arguments)
     group = replicas.current()
     if not distribution.auto_shard_dataset or not group.is_distributed:
-        return adapter
+        return _as_given(adapter)
     if _keras_compat.is_torch_dataloader(x):
         return _keras_compat.wrap_data_adapter(
             adapter, lambda batches: _round_robin(batches, adapter, group),
             num_batches=_round_robin_count(adapter, group),
         )
     if _keras_compat.is_generator(x):
-        return adapter
+        return _as_given(adapter)
     if batch_size is not None and batch_size % group.count:
         raise ValueError(
             f"batch_size={batch_size} is the global batch and must be "
@@ -87,7 +106,7 @@ def _replica_rows(batch, group):
             "samples leave a last batch of at least that many rows, e.g. by "
             "choosing another batch_size or dropping the remainder."
         )
-    _batch_scale[0] = count * group.count / rows
+    batch_weight.set(count * group.count / rows)
     return keras.tree.map_structure(
         lambda t: None if t is None else t[start : start + count], batch
     )
@@ -111,15 +130,22 @@ def _round_robin_count(adapter, group):
 
 
 def _round_robin(batches, adapter, group):
-    _batch_scale[0] = 1.0
     limit = _round_robin_count(adapter, group)
     for position, batch in enumerate(batches):
         if limit is not None and position >= limit * group.count:
             return
         if position % group.count == group.index:
+            batch_weight.reset()
             yield batch
 
 
-def reset_batch_scale():
-    _batch_scale[0] = 1.0
+def _as_given(adapter):
+    """The adapter's batches as they are, each weighing an even share."""
+
+    def even(batches):
+        for batch in batches:
+            batch_weight.reset()
+            yield batch
+
+    return _keras_compat.wrap_data_adapter(adapter, even, num_batches=adapter.num_batches)
 

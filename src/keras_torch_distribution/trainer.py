@@ -59,6 +59,7 @@ def _apply(original, optimizer, grads, trainable_variables):
         return original(optimizer, grads, trainable_variables)
     finally:
         _apply_depth[0] -= 1
+        data.batch_weight.reset()
 
 
 _eager_apply = torch._dynamo.disable(

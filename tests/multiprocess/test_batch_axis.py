@@ -274,3 +274,42 @@ def test_2x2_mesh_with_weights_on_both_axes(pool4, auto_shard):
         # Sharded on both axes: a quarter of each kernel per rank.
         assert result["shards"]["mlp/up/kernel"] == ((8, 16), (4, 8))
         assert result["shards"]["mlp/down/kernel"] == ((16, 6), (8, 3))
+
+
+def _partial_batches_then_per_process(per_process):
+    """A fit whose last training and validation batches are partial (13 and
+    11 rows: uneven over 2 replicas), then train_on_batch, then a fit on
+    per-process pieces (or, in one process, on the global batches)."""
+    x, y = _data()
+    if per_process:
+        devices = keras.distribution.list_devices()
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    model = _model()
+    model.fit(
+        x[:61], y[:61], batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0,
+        validation_data=(x[:11], y[:11]),
+    )
+    model.train_on_batch(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH])
+    after_train_on_batch = {v.path: np.asarray(v) for v in model.weights}
+    feed_x, feed_y, batch = x, y, GLOBAL_BATCH
+    if per_process:
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
+        )
+        rank = torch.distributed.get_rank()
+        feed_x, feed_y, batch = _pieces(x, rank, 2), _pieces(y, rank, 2), GLOBAL_BATCH // 2
+    model.fit(feed_x, feed_y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    return after_train_on_batch, {v.path: np.asarray(v) for v in model.weights}
+
+
+def test_no_step_inherits_another_batch_weight(pool2):
+    """The weight of an uneven last batch (a replica's rows against an even
+    share) applies to that batch's step only."""
+    results = pool2.run(_partial_batches_then_per_process, True)
+    keras.backend.clear_session()
+    reference = _partial_batches_then_per_process(False)
+    for after_train_on_batch, final in results:
+        for path, value in reference[0].items():
+            np.testing.assert_allclose(after_train_on_batch[path], value, err_msg=path, **TOL)
+        for path, value in reference[1].items():
+            np.testing.assert_allclose(final[path], value, err_msg=path, **TOL)
