@@ -148,7 +148,7 @@ class _Regatherer:
 
     def pack(self, tensor):
         local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-        if local.numel() == 0:
+        if local.layout != torch.strided or local.numel() == 0:
             return tensor
         entry = self.gathered.get(local.untyped_storage().data_ptr())
         if entry is None or entry[0]() is None:
