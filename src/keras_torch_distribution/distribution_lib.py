@@ -8,6 +8,7 @@ front end bound at import) by `keras_torch_distribution.install()`; see
 import torch
 from torch.distributed.tensor import DTensor
 
+from keras_torch_distribution import _keras_compat
 from keras_torch_distribution import layouts
 from keras_torch_distribution import runtime
 from keras_torch_distribution import seeds
@@ -42,8 +43,22 @@ def distribute_tensor(tensor, layout):
     A plain tensor is taken as the full value (the same on every rank); each
     rank keeps its block without communication. A DTensor is relayouted
     (a `Partial` one is reduced). Collective for DTensors: call on every rank.
+
+    Inside a layer call (Keras relayouts a layer's output named
+    `<layer path>/output` in a LayoutMap) the tensor is an activation: this
+    replica's rows, already split along the batch axis. Its layout applies
+    on the other mesh axes; a dim the layout puts on the batch axis stays
+    whole (layouts never change numbers), and a tensor the rest of the
+    layout does not shard is returned as it is, or made whole.
     """
-    return tensors.to_layout(tensor, _resolve(layout))
+    torch_layout = _resolve(layout)
+    if not _keras_compat.in_outer_call():
+        distribution = _keras_compat.current_distribution()
+        batch_axis = None if distribution is None else distribution.batch_dim_name
+        torch_layout = layouts.without_axis(torch_layout, batch_axis)
+        if not torch_layout.is_sharded:
+            return tensors.full_value(tensor)
+    return tensors.to_layout(tensor, torch_layout)
 
 
 def distribute_variable(value, layout):

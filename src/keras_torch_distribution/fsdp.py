@@ -40,6 +40,7 @@ from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import data
 from keras_torch_distribution import layouts
+from keras_torch_distribution import tensors
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ class _ReplicaWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.factor, None
+        # A plain gathered weight used with DTensors gets a DTensor gradient.
+        return tensors.full_value(grad) * ctx.factor, None
 
 
 class _Regatherer:

@@ -72,10 +72,28 @@ def full_value(value):
     """
     if not isinstance(value, DTensor):
         return value
-    if all(isinstance(p, Replicate) for p in value.placements):
-        return value.to_local()
-    replicated = [Replicate()] * value.device_mesh.ndim
-    return value.redistribute(value.device_mesh, replicated).to_local()
+    if not all(isinstance(p, Replicate) for p in value.placements):
+        replicated = [Replicate()] * value.device_mesh.ndim
+        value = value.redistribute(value.device_mesh, replicated)
+    local = value.to_local()
+    if local.requires_grad:
+        local = PlainGradient.apply(local)
+    return local
+
+
+class PlainGradient(torch.autograd.Function):
+    """Identity on a plain tensor made from a DTensor (`to_local`), whose
+    gradient may come back as a DTensor: a plain tensor that meets DTensors
+    (implicit replication) gets DTensor gradients, which `to_local`'s
+    backward refuses. The gradient is made whole (plain) first."""
+
+    @staticmethod
+    def forward(ctx, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return full_value(grad) if isinstance(grad, DTensor) else grad
 
 
 def to_numpy(original, value):
