@@ -51,6 +51,9 @@ from keras_torch_distribution.log import logger
 # Computing checksums while saving; off only to measure what they cost
 # (benchmarks/checkpoint_checksum.py).
 CHECKSUMS_ON_SAVE = True
+# How checkpoint files are opened for writing (tests put a file system that
+# fills up here when they cannot mount a small one).
+_open = open
 
 
 # ---------------------------------------------------------------------------
@@ -259,7 +262,7 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
     def _writing(self, path, mode):
         stream = None
         try:
-            with open(path, mode) as raw:
+            with _open(path, mode) as raw:
                 stream = _HashingStream(raw)
                 yield stream
                 if not raw.closed:
@@ -302,10 +305,11 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
             raise
         except Exception as error:
             writer = _files.writer_of(self._marker, name)
+            what = str(error) or "the file ends early"
             raise CheckpointReadError(
                 f"Rank {runtime.process_id()} could not read checkpoint file "
                 f"{path!r} (written by rank {writer}): "
-                f"{type(error).__name__}: {error or 'the file ends early'}. "
+                f"{type(error).__name__}: {what}. "
                 "The file is damaged or was not written completely; load "
                 "another checkpoint.",
                 path, writer,

@@ -49,11 +49,11 @@ class CheckpointReadError(CheckpointError):
     """A checkpoint file could not be read."""
 
 
-class UnsafeCheckpointError(CheckpointReadError):
+class UnsafeCheckpointError(CheckpointReadError, NotACheckpointError):
     """A checkpoint's `.metadata` refers to something a checkpoint of this
     package never holds (a class outside DCP's metadata classes, a file
     outside the checkpoint): it was not written by `checkpoint.save`, and is
-    refused without running any of it."""
+    refused without running any of it. Also a `NotACheckpointError`."""
 
 
 class DamagedCheckpointError(CheckpointReadError, NotACheckpointError):

@@ -342,8 +342,14 @@ def finish(path, marker, written, group=None):
 # ---------------------------------------------------------------------------
 
 
+# Rank 0's renames and removals go through these two (tests wrap them to
+# stop at each step of a replacement).
 def _rename(source, target):
     os.rename(source, target)
+
+
+def _rmtree(directory):
+    shutil.rmtree(directory)
 
 
 def _fsync_directory(directory):
@@ -371,9 +377,9 @@ def remove_checkpoint(directory):
     half-removed one never looks complete), then deleted."""
     trash = directory + REMOVING_SUFFIX
     if os.path.exists(trash):
-        shutil.rmtree(trash)
+        _rmtree(trash)
     _rename(directory, trash)
-    shutil.rmtree(trash)
+    _rmtree(trash)
 
 
 def settle(path):
@@ -384,7 +390,7 @@ def settle(path):
     path = normalize(path)
     temporary, old = path + INCOMPLETE_SUFFIX, path + OLD_SUFFIX
     if os.path.exists(path + REMOVING_SUFFIX):
-        shutil.rmtree(path + REMOVING_SUFFIX)
+        _rmtree(path + REMOVING_SUFFIX)
     if has_marker(temporary):
         if os.path.exists(path):
             if os.path.exists(old):
