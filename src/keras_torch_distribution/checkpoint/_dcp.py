@@ -98,8 +98,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in _ADMITTED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
         raise UnsafeCheckpointError(
             f"{self._path!r} refers to {module}.{name}, which the metadata of "
             "a checkpoint written by keras_torch_distribution never holds, so "

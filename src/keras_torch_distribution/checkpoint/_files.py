@@ -27,6 +27,7 @@ half-removed checkpoint never looks complete.
 
 import json
 import os
+import pickle
 import shutil
 import zlib
 
@@ -288,8 +289,6 @@ def agree(step, group=None):
 def _portable(error):
     """`error` if it survives pickling, else a CheckpointReadError with its
     text (what another rank can raise)."""
-    import pickle
-
     if error is None:
         return None
     try:
