@@ -15,7 +15,7 @@ import keras
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import fsdp
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
@@ -29,7 +29,7 @@ def plain(value):
 
 def layer_call(original, layer, *args, **kwargs):
     """Keras `Layer.__call__`, as the module docstring says."""
-    outermost = _keras_compat.in_outer_call()
+    outermost = _keras.in_outer_call()
     if outermost:
         active = _active_forward[0]
         if active is not None and active[0] is layer and not torch.compiler.is_compiling():

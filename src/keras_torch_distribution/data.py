@@ -17,38 +17,10 @@ With `auto_shard_dataset=False` every input is used as given.
 
 import keras
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution.log import warn_once
-
-class BatchWeight:
-    """How much this replica's current batch weighs against an even share:
-    rows here * replicas / rows in the global batch (1.0 for even batches).
-
-    Set for each batch as the data adapter yields it, read by the gradient
-    averaging of that batch's step, and reset to 1.0 once the step's update
-    is applied, so no step inherits another's weight (train_on_batch after a
-    fit whose last batch was partial, per-process input, generators).
-    """
-
-    def __init__(self):
-        self.value = 1.0
-
-    def set(self, value):
-        self.value = float(value)
-
-    def reset(self):
-        self.value = 1.0
-
-
-batch_weight = BatchWeight()
-
-
-def batch_scale():
-    """The current batch's weight (see BatchWeight)."""
-    return batch_weight.value
-
 
 def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
                      steps_per_epoch=None, shuffle=False, class_weight=None):
@@ -62,24 +34,24 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
         shuffle=shuffle,
         class_weight=class_weight,
     )
-    distribution = _keras_compat.current_distribution()
+    distribution = _keras.current_distribution()
     if (
         distribution is None
         or runtime.num_processes() == 1
-        or _keras_compat.is_data_adapter(x)
+        or _keras.is_data_adapter(x)
     ):
         return original(**arguments)
-    with _keras_compat.distribution_hidden():
+    with _keras.distribution_hidden():
         adapter = original(**arguments)
     group = replicas.current()
     if not distribution.auto_shard_dataset or not group.is_distributed:
         return _as_given(adapter)
-    if _keras_compat.is_torch_dataloader(x):
-        return _keras_compat.wrap_data_adapter(
+    if _keras.is_torch_dataloader(x):
+        return _wrap(
             adapter, lambda batches: _round_robin(batches, adapter, group),
             num_batches=_round_robin_count(adapter, group),
         )
-    if _keras_compat.is_generator(x):
+    if _keras.is_generator(x):
         return _as_given(adapter)
     if batch_size is not None and batch_size % group.count:
         raise ValueError(
@@ -87,7 +59,7 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
             f"divisible by the {group.count} data-parallel replicas; use a "
             f"multiple of {group.count}, e.g. {batch_size - batch_size % group.count or group.count}."
         )
-    return _keras_compat.wrap_data_adapter(
+    return _wrap(
         adapter, lambda batches: (_replica_rows(b, group) for b in batches),
         num_batches=adapter.num_batches,
     )
@@ -106,7 +78,7 @@ def _replica_rows(batch, group):
             "samples leave a last batch of at least that many rows, e.g. by "
             "choosing another batch_size or dropping the remainder."
         )
-    batch_weight.set(count * group.count / rows)
+    replicas.batch_weight.set(count * group.count / rows)
     return keras.tree.map_structure(
         lambda t: None if t is None else t[start : start + count], batch
     )
@@ -135,7 +107,7 @@ def _round_robin(batches, adapter, group):
         if limit is not None and position >= limit * group.count:
             return
         if position % group.count == group.index:
-            batch_weight.reset()
+            replicas.batch_weight.reset()
             yield batch
 
 
@@ -144,8 +116,48 @@ def _as_given(adapter):
 
     def even(batches):
         for batch in batches:
-            batch_weight.reset()
+            replicas.batch_weight.reset()
             yield batch
 
-    return _keras_compat.wrap_data_adapter(adapter, even, num_batches=adapter.num_batches)
+    return _wrap(adapter, even, num_batches=adapter.num_batches)
 
+
+class _WrappedDataAdapter(_keras.DataAdapter):
+    """A Keras data adapter whose batches pass through `transform`."""
+
+    def __init__(self, inner, transform, num_batches):
+        self._inner = inner
+        self._transform = transform
+        self._num_batches = num_batches
+
+    def get_numpy_iterator(self):
+        return self._transform(self._inner.get_numpy_iterator())
+
+    def get_torch_dataloader(self):
+        return self._transform(self._inner.get_torch_dataloader())
+
+    @property
+    def num_batches(self):
+        return self._num_batches
+
+    @property
+    def batch_size(self):
+        return self._inner.batch_size
+
+    @property
+    def has_partial_batch(self):
+        return self._inner.has_partial_batch
+
+    @property
+    def partial_batch_size(self):
+        return self._inner.partial_batch_size
+
+    def on_epoch_begin(self):
+        self._inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self._inner.on_epoch_end()
+
+
+def _wrap(adapter, transform, num_batches):
+    return _WrappedDataAdapter(adapter, transform, num_batches)

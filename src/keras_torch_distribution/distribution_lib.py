@@ -2,13 +2,13 @@
 
 Installed as Keras' backend `distribution_lib` module (and as the name Keras'
 front end bound at import) by `keras_torch_distribution.install()`; see
-`_keras_compat`, the only module that touches Keras internals.
+`_keras`, the only module that touches Keras internals.
 """
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import layouts
 from keras_torch_distribution import runtime
 from keras_torch_distribution import seeds
@@ -52,8 +52,8 @@ def distribute_tensor(tensor, layout):
     layout does not shard is returned as it is, or made whole.
     """
     torch_layout = _resolve(layout)
-    if not _keras_compat.in_outer_call():
-        distribution = _keras_compat.current_distribution()
+    if not _keras.in_outer_call():
+        distribution = _keras.current_distribution()
         batch_axis = None if distribution is None else distribution.batch_dim_name
         torch_layout = layouts.without_axis(torch_layout, batch_axis)
         if not torch_layout.is_sharded:

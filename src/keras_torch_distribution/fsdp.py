@@ -38,7 +38,7 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_torch_distribution import data
+from keras_torch_distribution import replicas
 from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
 
@@ -61,7 +61,7 @@ class GatherPlan:
         gathered = value.redistribute(self.mesh, self.gathered)
         local = gathered.to_local(grad_placements=self.grad)
         if torch.is_grad_enabled() and local.requires_grad:
-            local = _ReplicaWeight.apply(local, data.batch_scale() / self.replicas)
+            local = _ReplicaWeight.apply(local, replicas.batch_scale() / self.replicas)
         if self.plain:
             return local
         return self.as_model_dtensor(local)

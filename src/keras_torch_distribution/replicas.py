@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import layouts
 from keras_torch_distribution import runtime
 
@@ -43,7 +43,7 @@ _last = [None, None, None]
 
 def current():
     """The replicas of the current distribution (one when there is none)."""
-    distribution = _keras_compat.current_distribution()
+    distribution = _keras.current_distribution()
     if distribution is None:
         return _SINGLE
     world = dist.group.WORLD if dist.is_initialized() else None
@@ -85,3 +85,31 @@ def _build(distribution):
 def clear_cache():
     _cache.clear()
     _last[:] = [None, None, None]
+
+
+class BatchWeight:
+    """How much this replica's current batch weighs against an even share:
+    rows here * replicas / rows in the global batch (1.0 for even batches).
+
+    Set for each batch as the data adapter yields it, read by the gradient
+    averaging of that batch's step, and reset to 1.0 once the step's update
+    is applied, so no step inherits another's weight (train_on_batch after a
+    fit whose last batch was partial, per-process input, generators).
+    """
+
+    def __init__(self):
+        self.value = 1.0
+
+    def set(self, value):
+        self.value = float(value)
+
+    def reset(self):
+        self.value = 1.0
+
+
+batch_weight = BatchWeight()
+
+
+def batch_scale():
+    """The current batch's weight (see BatchWeight)."""
+    return batch_weight.value

@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import layouts
 
 
@@ -15,13 +15,13 @@ def as_torch(value, dtype=None):
     if isinstance(value, DTensor):
         return value if dtype is None else value.to(dtype)
     if isinstance(value, torch.Tensor):
-        value = value.to(_keras_compat.torch_device())
+        value = value.to(_keras.torch_device())
         return value if dtype is None else value.to(dtype)
     if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(
         value, (list, tuple)
     ):
         array = np.asarray(value)
-        return torch.as_tensor(array, dtype=dtype, device=_keras_compat.torch_device())
+        return torch.as_tensor(array, dtype=dtype, device=_keras.torch_device())
     if hasattr(value, "__array__"):
         return as_torch(np.asarray(value), dtype)
     raise TypeError(

@@ -15,10 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import boundary
 from keras_torch_distribution import compiled
-from keras_torch_distribution import data
 from keras_torch_distribution import gradients
 from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
@@ -46,9 +45,9 @@ def optimizer_apply(original, optimizer, grads, trainable_variables=None):
 def _apply(original, optimizer, grads, trainable_variables):
     variables = trainable_variables
     if variables is None:
-        variables = _keras_compat.optimizer_variables(optimizer)
+        variables = _keras.optimizer_variables(optimizer)
     grads = [
-        gradients.align(g, _keras_compat.raw_value(v))
+        gradients.align(g, _keras.raw_value(v))
         for g, v in zip(grads, variables)
     ]
     group = replicas.current()
@@ -59,7 +58,7 @@ def _apply(original, optimizer, grads, trainable_variables):
         return original(optimizer, grads, trainable_variables)
     finally:
         _apply_depth[0] -= 1
-        data.batch_weight.reset()
+        replicas.batch_weight.reset()
 
 
 _eager_apply = torch._dynamo.disable(
@@ -80,19 +79,19 @@ def _synchronize(optimizer, grads, variables_, group):
         for g, keep in zip(grads, replicated)
         if g is not None and keep
     ]
-    scale = data.batch_scale()
+    scale = replicas.batch_scale()
     if steps:
         # Accumulate local gradients; average once per real step, together
         # with what was accumulated.
         if scale != 1.0:
             for t in local:
                 t.mul_(scale)
-        iteration = _keras_compat.apply_count(optimizer)
+        iteration = _keras.apply_count(optimizer)
         if (iteration + 1) % steps:
             return
         kept = [v for v, keep in zip(variables_, replicated) if keep]
-        accumulators = _keras_compat.gradient_accumulators(optimizer, kept)
-        local += [gradients.local_part(_keras_compat.raw_value(a)) for a in accumulators]
+        accumulators = _keras.gradient_accumulators(optimizer, kept)
+        local += [gradients.local_part(_keras.raw_value(a)) for a in accumulators]
         scale = 1.0
     gradients.all_reduce_mean(local, group.group, group.count, scale)
 
@@ -101,7 +100,7 @@ def _overlapped_reducer(optimizer, variables, group):
     """The optimizer's overlapped reducer when every trainable variable is a
     plain tensor (data parallelism); None otherwise. Built on the first step
     (whose gradients are then averaged synchronously), reused after."""
-    params = [_keras_compat.raw_value(v) for v in variables]
+    params = [_keras.raw_value(v) for v in variables]
     reducer = _reducers.get(optimizer)
     if reducer is not None and [id(p) for p in reducer.params] == [id(p) for p in params]:
         return reducer
@@ -213,7 +212,7 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
     write, on rank 0 only. Variables created before the distribution was
     set, that it would shard, get one warning each."""
     variables.warn_if_created_outside(
-        model.variables, _keras_compat.current_distribution()
+        model.variables, _keras.current_distribution()
     )
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import fsdp
 from keras_torch_distribution import layouts
 from keras_torch_distribution import sharded_init
@@ -56,7 +56,7 @@ def sharded_layout(variable):
         return cached
     layout = variable._layout
     if layout is None:
-        distribution = _keras_compat.current_distribution()
+        distribution = _keras.current_distribution()
         if distribution is not None:
             layout = distribution.get_variable_layout(variable)
             variable._layout = layout
@@ -71,7 +71,7 @@ def sharded_layout(variable):
         layouts.check_rank(torch_layout, variable.shape, f"variable {variable.path!r}")
         if not torch_layout.is_sharded:
             torch_layout = None
-    distribution = _keras_compat.current_distribution()
+    distribution = _keras.current_distribution()
     variable._ktd_layout = torch_layout
     variable._ktd_distributed = distribution is not None
     variable._ktd_gather = None
@@ -99,8 +99,8 @@ def value_for_use(original, variable, value):
         plan is None
         or not isinstance(value, DTensor)
         or tuple(value.placements) != plan.stored
-        or _keras_compat.in_outer_call()
-        or str(_keras_compat.torch_device()) == "meta"
+        or _keras.in_outer_call()
+        or str(_keras.torch_device()) == "meta"
     ):
         return value
     return fsdp.gather_for_use(value, plan)
@@ -151,7 +151,7 @@ def initialize(original, variable, value):
         return
     variable._shape = variable._validate_shape(tuple(value.shape))
     torch_layout = sharded_layout(variable)
-    dtype = _keras_compat.to_torch_dtype(variable._dtype)
+    dtype = _keras.to_torch_dtype(variable._dtype)
     if torch_layout is None:
         tensor = tensors.full_value(tensors.as_torch(value, dtype))
         _set_value(variable, tensor.detach())
@@ -201,7 +201,7 @@ def to_numpy(original, variable, dtype=None, copy=None):
     if not isinstance(variable._value, DTensor):
         return original(variable, dtype)
     full = tensors.full_value(variable._value.detach())
-    value = _keras_compat.convert_to_numpy(full)
+    value = _keras.convert_to_numpy(full)
     return value.astype(dtype) if dtype else value
 
 

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 from keras_torch_distribution import runtime
-from keras_torch_distribution.checkpoint import _files
-from keras_torch_distribution.checkpoint import _keys
+import keras_torch_distribution.checkpoint._files as _files
+import keras_torch_distribution.checkpoint._keys as _keys
 from keras_torch_distribution.checkpoint._errors import CheckpointError
 from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError

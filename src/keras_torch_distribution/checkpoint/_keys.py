@@ -13,7 +13,7 @@ So a checkpoint survives code that builds the same model again, even where
 Keras numbers the model, optimizer or generator names differently.
 """
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution.checkpoint._errors import CheckpointMismatchError
 
 MODEL_PREFIX = "model/"
@@ -32,7 +32,7 @@ def _model_keys(model):
     a SeedGenerator, whose path is a global counter, is keyed by its layer.
     """
     keys = {}
-    for layer_name, states in _keras_compat.layer_seed_states(model):
+    for layer_name, states in _keras.layer_seed_states(model):
         for index, state in enumerate(states):
             keys[id(state)] = f"{layer_name}/seed_generator_{index}"
     prefix = model.name + "/"
@@ -108,7 +108,7 @@ def state_dict(variables):
     """{key: tensor} that DCP reads from and loads into: each variable's own
     storage (a DTensor for a sharded variable), without autograd."""
     return {
-        key: _keras_compat.raw_value(v).detach() for key, v in variables.items()
+        key: _keras.raw_value(v).detach() for key, v in variables.items()
     }
 
 

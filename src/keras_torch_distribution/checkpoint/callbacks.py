@@ -6,10 +6,10 @@ import shutil
 
 import keras
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import runtime
-from keras_torch_distribution.checkpoint import _dcp
-from keras_torch_distribution.checkpoint import _files
+import keras_torch_distribution.checkpoint._dcp as _dcp
+import keras_torch_distribution.checkpoint._files as _files
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.log import logger
 
@@ -122,7 +122,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             if found is not None:
                 extra = _dcp.load(self.model, found, optimizer=self.optimizer) or {}
                 self._step = int(extra.get("step", 0))
-                _keras_compat.set_initial_epoch(self.model, int(extra.get("epoch", 0)))
+                _keras.set_initial_epoch(self.model, int(extra.get("epoch", 0)))
                 logger.info("resuming from %s (epoch %s)", found, extra.get("epoch"))
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -231,7 +231,7 @@ def backup_load(original, callback):
                 "from the one before it, %s.", path, error, candidates[index + 1],
             )
             continue
-        _keras_compat.set_initial_epoch(model, int(extra.get("epoch", 0)))
+        _keras.set_initial_epoch(model, int(extra.get("epoch", 0)))
         logger.info("BackupAndRestore: resuming at epoch %s from %s",
                     extra.get("epoch"), path)
         return None

@@ -9,8 +9,8 @@ every damaged file and the rank that wrote it), never shown as healthy.
 
 import os
 
-from keras_torch_distribution.checkpoint import _dcp
-from keras_torch_distribution.checkpoint import _files
+import keras_torch_distribution.checkpoint._dcp as _dcp
+import keras_torch_distribution.checkpoint._files as _files
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 
 
