@@ -245,8 +245,13 @@ def test_initialize_ends_within_the_timeout_when_nothing_answers():
             "holds it."
         ), message
         message, _ = results[1, kind]
-        assert (f"no torch.distributed store answered at 127.0.0.1:{ports[kind]} (the "
-                "connection was made or is pending, but nothing replied). Another "
-                "program may hold that port") in message, message
+        assert message.endswith(
+            f"no torch.distributed store answered at 127.0.0.1:{ports[kind]}. Either "
+            "process 0 has not started its coordinator there (start it, or raise "
+            "KTD_TIMEOUT_SECONDS if it starts slowly), or another program holds that "
+            "port and does not answer (process 0 then fails at once with 'address "
+            "already in use'): give every process the same free port."
+        ), message
+    # Nothing listens: torch's own timeout, or ours if torch overruns it.
     message, _ = results[1, "closed"]
-    assert "raise KTD_TIMEOUT_SECONDS if peers start slowly" in message, message
+    assert "raise KTD_TIMEOUT_SECONDS if" in message, message

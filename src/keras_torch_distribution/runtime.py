@@ -242,8 +242,7 @@ def _rendezvous(init_method, rank, world_size, timeout):
         raise outcome["error"]
     if "result" not in outcome:
         raise TimeoutError(
-            f"no torch.distributed store answered at {_coordinator(init_method)} "
-            "(the connection was made or is pending, but nothing replied)."
+            f"no torch.distributed store answered at {_coordinator(init_method)}."
         )
     return outcome["result"]
 
@@ -282,10 +281,11 @@ def _start_failure_message(error, where):
         )
     elif isinstance(error, TimeoutError) and "no torch.distributed store answered" in text:
         advice = (
-            "Another program may hold that port (process 0 then fails at once "
-            "with 'address already in use'): give every process the same free "
-            "port. Otherwise process 0 has not started: start it, or raise "
-            "KTD_TIMEOUT_SECONDS if it starts slowly."
+            "Either process 0 has not started its coordinator there (start it, "
+            "or raise KTD_TIMEOUT_SECONDS if it starts slowly), or another "
+            "program holds that port and does not answer (process 0 then "
+            "fails at once with 'address already in use'): give every process "
+            "the same free port."
         )
     else:
         advice = (
