@@ -359,19 +359,26 @@ def test_two_nodes_give_the_numbers_of_one_node():
 # --------------------------------------------------------------------------
 
 
+def _failed_launch(*args, timeout, **env):
+    """(last line of stderr, seconds taken, stderr) of a launch that must
+    fail before any rank finishes its script."""
+    start = time.monotonic()
+    result = _ktd_run(*args, timeout=timeout, **env)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "finished" not in result.stdout, result.stdout[-3000:]
+    return result.stderr.strip().splitlines()[-1], elapsed, result.stderr
+
+
 @pytest.mark.slow
 def test_a_rank_that_raises_mid_fit_ends_the_job():
-    start = time.monotonic()
-    result = _ktd_run("tests/scripts/rank_fails.py", "raise", timeout=90)
-    elapsed = time.monotonic() - start
+    summary, elapsed, stderr = _failed_launch("tests/scripts/rank_fails.py", "raise",
+                                              timeout=90)
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    assert result.returncode != 0
-    assert "finished training" not in result.stdout
-    summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith(
         "ktd run: rank 1 (local rank 1) failed first, exit code 1: RuntimeError: "
         "deliberate failure on rank 1 after epoch 1."
-    ), result.stderr[-3000:]
+    ), stderr[-3000:]
     assert "torchrun stopped the other processes" in summary
 
 
@@ -380,13 +387,9 @@ def test_a_rank_that_stops_answering_times_out():
     """Rank 1 sleeps instead of training: rank 0's gradient all-reduce gives
     up after KTD_TIMEOUT_SECONDS (the process group's timeout), and torchrun
     then stops rank 1."""
-    start = time.monotonic()
-    result = _ktd_run("tests/scripts/rank_fails.py", "stall", timeout=120,
-                      KTD_TIMEOUT_SECONDS="5")
-    elapsed = time.monotonic() - start
+    summary, elapsed, _ = _failed_launch("tests/scripts/rank_fails.py", "stall",
+                                         timeout=120, KTD_TIMEOUT_SECONDS="5")
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    assert result.returncode != 0
-    summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith("ktd run: rank 0 (local rank 0) failed first"), summary
     assert "Timed out waiting 5000ms" in summary, summary
 
@@ -397,15 +400,12 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it():
     A monitor interval of 3 s lets torchrun see both failures, rank 0's
     recorded first (in whole seconds), as happens by chance with the
     default 0.1 s."""
-    result = _ktd_run("--monitor-interval", "3", "tests/scripts/rank_killed.py",
-                      timeout=180)
-    assert result.returncode != 0
-    assert "finished" not in result.stdout
-    summary = result.stderr.strip().splitlines()[-1]
+    summary, _, stderr = _failed_launch(
+        "--monitor-interval", "3", "tests/scripts/rank_killed.py", timeout=180)
     assert summary.startswith(
         "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit code -9). "
         "It was killed from outside Python"
-    ), result.stderr[-3000:]
+    ), stderr[-3000:]
     assert "traceback is above" not in summary
 
 
