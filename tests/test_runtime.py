@@ -92,6 +92,30 @@ def test_initialize_from_the_launcher_environment(torch_start, monkeypatch):
     ]
 
 
+def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
+    """On CUDA, the process computes on GPU LOCAL_RANK % device_count."""
+    from keras_torch_distribution import seeds
+
+    calls, store = torch_start
+    calls.init_process_group.side_effect = None  # the group "starts"
+    monkeypatch.delenv("KTD_DEVICE")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(runtime.torch.cuda, "set_device", calls.set_device)
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(seeds, "initialize_rng", calls.initialize_rng)
+    keras.distribution.initialize("10.0.0.1:1234", 4, 3)
+    assert calls.mock_calls == [
+        mock.call.rendezvous("tcp://10.0.0.1:1234", 3, 4, timeout=_SEVEN_SECONDS),
+        mock.call.init_process_group(backend="cpu:gloo,cuda:nccl", store=store,
+                                     world_size=4, rank=3, timeout=_SEVEN_SECONDS),
+        mock.call.set_device(1),
+        mock.call.initialize_rng(),
+    ]
+
+
 @pytest.mark.parametrize("job_addresses", ["node-a:0", "node-a:70000", "node-a:",
                                            ":1234", "node-a:port", "[::1]x"])
 def test_job_addresses_that_are_not_an_address(torch_start, job_addresses):
@@ -116,10 +140,10 @@ def test_a_launch_without_its_environment_says_how_to_start(monkeypatch):
     expected = (
         "This process is one of WORLD_SIZE=2 processes, but torch.distributed is not "
         "initialized yet and the environment lacks MASTER_ADDR, MASTER_PORT to start "
-        "it. Launch the script with `ktd run -n 2 script.py` or torchrun (they set "
-        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or call "
-        "keras.distribution.initialize(job_addresses='host:port', num_processes=2, "
-        "process_id=...) first, on every process."
+        "it. Call keras.distribution.initialize() first, on every process, with "
+        "job_addresses='host:port' (process 0's), num_processes=2 and process_id (this "
+        "process's index); or launch the script with `ktd run -n 2 script.py` or "
+        "torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
     )
     mesh = keras.distribution.DeviceMesh((2,), ["model"], ["cpu:0", "cpu:1"])
     for use in (keras.distribution.list_devices, keras.distribution.DataParallel,

@@ -327,11 +327,12 @@ def _start_on_first_use(use):
         raise RuntimeError(
             f"This process is one of WORLD_SIZE={world} processes, but "
             "torch.distributed is not initialized yet and the environment "
-            f"lacks {', '.join(missing)} to start it. Launch the script with "
-            f"`ktd run -n {world} script.py` or torchrun (they set RANK, "
-            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or call "
-            "keras.distribution.initialize(job_addresses='host:port', "
-            f"num_processes={world}, process_id=...) first, on every process."
+            f"lacks {', '.join(missing)} to start it. Call "
+            "keras.distribution.initialize() first, on every process, with "
+            f"job_addresses='host:port' (process 0's), num_processes={world} "
+            "and process_id (this process's index); or launch the script with "
+            f"`ktd run -n {world} script.py` or torchrun, which set RANK, "
+            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
         )
     logger.info(
         "keras.distribution.initialize() was not called: %s starts the process "
