@@ -209,8 +209,9 @@ def test_init_method_parsing():
     assert runtime._init_method("10.0.0.1:1234") == "tcp://10.0.0.1:1234"
     assert runtime._init_method("10.0.0.1:1234,10.0.0.2:2345") == "tcp://10.0.0.1:1234"
     assert runtime._init_method("file:///tmp/x") == "file:///tmp/x"
-    for bad in ("localhost", ":1234", "host:port"):
-        with pytest.raises(ValueError, match=rf"job_addresses='{bad}' is not 'host:port'"):
+    assert runtime._init_method("localhost") == "tcp://localhost:29500"
+    for bad in (":1234", "host:port"):
+        with pytest.raises(ValueError, match=rf"job_addresses='{bad}'"):
             runtime._init_method(bad)
 
 

@@ -7,16 +7,16 @@ sets the level.
 import logging
 import os
 
+import torch.distributed as dist
+
 from keras_torch_distribution import _env
 
 
 def _rank():
     """This process's rank: the running group's, else the launcher's RANK
     (so that messages from before the group starts are not said N times)."""
-    from keras_torch_distribution import runtime
-
-    if runtime.is_initialized():
-        return runtime.process_id()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     text = os.environ.get("RANK", "0")
     return int(text) if text.isdigit() else 0
 

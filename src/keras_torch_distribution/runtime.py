@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from keras_torch_distribution import _env
+from keras_torch_distribution import seeds
 from keras_torch_distribution.log import logger
 
 DEFAULT_TIMEOUT_SECONDS = _env.DEFAULT_TIMEOUT_SECONDS
@@ -152,8 +153,6 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     if uses_cuda():
         local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    from keras_torch_distribution import seeds
-
     seeds.initialize_rng()
     logger.info(
         "initialized rank %d of %d (%s)",

@@ -17,9 +17,10 @@ PACKAGE = "keras_torch_distribution"
 
 LAYERS = [
     "_keras",  # the only importer of keras.src
+    "_env",  # KTD_* settings
     "log",
+    "seeds",  # every process agrees on seeds (runtime seeds a new group)
     "runtime",
-    "seeds",
     "layouts",
     "tensors",
     "replicas",
