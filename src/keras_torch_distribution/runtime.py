@@ -388,10 +388,3 @@ def list_devices(device_type=None):
 
 def get_device_count(device_type=None):
     return len(list_devices(device_type))
-
-
-def torch_device():
-    """The torch device this process computes on."""
-    if uses_cuda():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -11,7 +11,6 @@ their gradients back into plain tensors.
 Only float and complex variables that are trainable require grad.
 """
 
-import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
@@ -222,8 +221,3 @@ def local_bytes(variable):
     value = variable._value
     local = value.to_local() if isinstance(value, DTensor) else value
     return local.numel() * local.element_size()
-
-
-def gather_numpy(variable):
-    """The global value of a variable as numpy. Collective: call on every rank."""
-    return np.asarray(variable)
