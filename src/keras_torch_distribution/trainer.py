@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import agreement
 from keras_torch_distribution import boundary
 from keras_torch_distribution import compiled
 from keras_torch_distribution import gradients
@@ -210,7 +211,10 @@ def _gather_rows(tensor, group):
 def quiet_on_other_ranks(original, model, *args, **kwargs):
     """fit / evaluate / predict print progress, and file-writing callbacks
     write, on rank 0 only. Variables created before the distribution was
-    set, that it would shard, get one warning each."""
+    set, that it would shard, get one warning each. Ranks that disagree on
+    the call (model, distribution, input sizes) raise, naming the
+    difference. Collective: call on every rank."""
+    agreement.check(original.__name__, model, args, kwargs)
     variables.warn_if_created_outside(
         model.variables, _keras.current_distribution()
     )

@@ -313,3 +313,41 @@ def test_no_step_inherits_another_batch_weight(pool2):
             np.testing.assert_allclose(after_train_on_batch[path], value, err_msg=path, **TOL)
         for path, value in reference[1].items():
             np.testing.assert_allclose(final[path], value, err_msg=path, **TOL)
+
+
+def _disagreeing_fit(what):
+    import time
+
+    from keras_torch_distribution.agreement import RanksDisagreeError
+
+    rank = torch.distributed.get_rank()
+    x, y = _data()
+    devices = keras.distribution.list_devices()
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
+    )
+    model = _model()
+    if what == "agree":
+        from keras_torch_distribution import agreement
+
+        start = time.perf_counter()
+        for _ in range(20):
+            agreement.check("fit", model, (x, y), {"batch_size": 8})
+        return (time.perf_counter() - start) / 20
+    if what == "rows":
+        x, y = x[: 64 - 6 * rank], y[: 64 - 6 * rank]
+    if what == "model" and rank == 1:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, name="down")])
+        model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(RanksDisagreeError) as error:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return str(error.value)
+
+
+def test_ranks_that_disagree_are_named_on_every_rank(pool2):
+    for message in pool2.run(_disagreeing_fit, "rows"):
+        assert "fit() differs between ranks in rows of x: ranks [0]: 64; ranks [1]: 58" in message
+    for message in pool2.run(_disagreeing_fit, "model"):
+        assert "differs between ranks in variable" in message and "ranks [0]" in message
+    seconds = pool2.run(_disagreeing_fit, "agree")
+    print(f"agreement check: {1e3 * max(seconds):.2f} ms per call")

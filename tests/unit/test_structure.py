@@ -36,6 +36,7 @@ LAYERS = [
     "boundary",
     "compiled",
     "saving",
+    "agreement",
     "trainer",
     "checkpoint._errors",
     "checkpoint._keys",
