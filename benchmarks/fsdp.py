@@ -1,8 +1,8 @@
 """Variables sharded on the batch axis (FSDP, this package) vs torch FSDP2.
 
-    python benchmarks/fsdp.py [--steps 20] [--warmup 3] [--memory-steps 3]
-                              [--repeats 1] [--models mlp,block,2x2]
-                              [--allocator mmap|default]
+    python benchmarks/fsdp.py [--steps 20] [--warmup 3] [--repeats 1]
+                              [--memory-steps 3] [--memory-rounds 1]
+                              [--models mlp,block,2x2] [--profile torch|cprofile]
 
 Cases (fresh torchrun processes each, gloo, CPU, OMP_NUM_THREADS=1), every
 process computing on its own rows of the global batch:
@@ -34,27 +34,35 @@ The block and the MLP are compile.py's definitions (imported, not copied).
 Torch Linear weights are Glorot-uniform with zero biases, as Keras' Dense
 (only so that the final losses can be compared for sanity).
 
-Per case and rank:
-  step time: `warmup` untimed steps, then the median of `steps` timed steps
-      (Keras: model.train_function([(x_local, y_local)]) on prebuilt
-      per-rank batches after one fit step; torch: zero_grad / forward / MSE /
-      backward / step, after one untimed step to match the fit step).
-  memory: then `memory-steps` more steps with a thread sampling RSS every
-      0.5 ms (creation_memory.PeakSampler): peak RSS minus the RSS just
-      before them; and the kernel's peak RSS (VmHWM, reset through
-      /proc/self/clear_refs just before those steps) minus the same
-      baseline. Workers run under MALLOC_MMAP_THRESHOLD_=1048576 (every
-      allocation >= 1 MiB is its own mmap, returned on free), so RSS follows
-      live tensors (`--allocator default`: glibc's dynamic threshold).
-      Also the bytes of the local parts of parameters and optimizer state
-      (Keras: all optimizer.variables; torch: Adam's exp_avg, exp_avg_sq,
-      step).
-  final loss: the loss of one more step on the global batch (Keras:
-      metrics reset first, so not the epoch's running mean; torch: the
-      ranks' losses averaged).
-Each round runs every case once, interleaved; a round's figure is the worse
-rank's, a case's the median over rounds. Ratios are keras / torch. Targets
-(issue 11): step time <= 1.2x, peak memory within 10% of FSDP2's.
+Every case is launched in two kinds of fresh processes; per rank:
+  timing launches (glibc's default allocator, what users get): `warmup`
+      untimed steps, then the median wall time of `steps` timed steps, and
+      the process's CPU time per step (Keras: model.train_function(
+      [(x_local, y_local)]) on prebuilt per-rank batches after one fit
+      step; torch: zero_grad / forward / MSE / backward / step, after one
+      untimed step to match the fit step). Also the bytes of the local parts
+      of parameters and optimizer state (Keras: all optimizer.variables;
+      torch: Adam's exp_avg, exp_avg_sq, step), and the final loss: that of
+      one more step on the global batch (Keras: metrics reset first, so not
+      the epoch's running mean; torch: the ranks' losses averaged).
+  memory launches (MALLOC_MMAP_THRESHOLD_=1048576: every allocation
+      >= 1 MiB is its own mmap, returned on free, so RSS follows live
+      tensors): `warmup` steps, then `memory-steps` steps with a thread
+      sampling RSS every 0.5 ms (creation_memory.PeakSampler): peak RSS
+      minus the RSS just before them (parameters, optimizer state and inputs
+      are in that baseline: the figure is what a step adds); and the
+      kernel's peak RSS (VmHWM, reset through /proc/self/clear_refs just
+      before those steps) minus the same baseline. Timing is not taken
+      here: under that threshold every large allocation is a fresh mmap
+      (an allocating 4 MiB multiply: ~10 ms instead of ~1 ms), so step
+      times would count page faults (reported as step_ms_mmap_allocator).
+`--repeats` rounds of timing launches, every case once per round,
+interleaved; `--memory-rounds` (in the first rounds) of memory launches. A
+launch's figure is the worse rank's, a case's the median over rounds.
+Ratios are keras / torch. Targets (issue 11): step time <= 1.2x, peak
+memory within 10% of FSDP2's. `--profile`: 5 more steps after the timed
+ones under torch.profiler or cProfile, rank 0's table written to
+results/fsdp_profile_<case>_<how>.txt.
 Results: benchmarks/results/fsdp.json.
 """
 
@@ -70,8 +78,15 @@ import compile as compile_benchmark  # noqa: E402  (the models)
 from creation_memory import PeakSampler  # noqa: E402
 
 MODELS = {"mlp": 2, "block": 2, "2x2": 4}  # model -> processes
-ALLOCATORS = {"mmap": {"MALLOC_MMAP_THRESHOLD_": "1048576"}, "default": {}}
+# Timing runs under glibc's default allocator (what users get); memory under
+# a fixed 1 MiB mmap threshold, so that RSS follows live tensors. (The
+# threshold makes every large allocation a fresh mmap: an allocating 4 MiB
+# multiply costs ~10 ms instead of ~1 ms here, which would time page faults.)
+PHASE_ENV = {"time": {}, "memory": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
 STEP_TARGET, MEMORY_TARGET = 1.2, 1.1
+KEYS = (("time", "step_ms"), ("time", "cpu_ms"), ("time", "state_mib"),
+        ("memory", "peak_mib"), ("memory", "hwm_mib"),
+        ("memory", "step_ms_mmap_allocator"))
 
 
 def _global_arrays(model_kind):
@@ -114,28 +129,38 @@ def _reset_vm_hwm():
         return False
 
 
-def _measure(step, barrier, steps, warmup, memory_steps):
-    """Step times, then the peak memory of `memory_steps` more steps."""
-    result = _launch.summary(_launch.time_steps(step, warmup, steps, barrier))
+def _measure(step, barrier, phase, steps, warmup, memory_steps):
+    """phase "time": wall and CPU time of `steps` steps after `warmup`;
+    phase "memory": the peak RSS of `memory_steps` steps after `warmup`
+    (and their wall time, under the memory phase's allocator)."""
+    import time
+
+    _launch.time_steps(step, warmup, 0, barrier)
+    if phase == "time":
+        cpu_started = time.process_time()
+        result = _launch.summary(_launch.time_steps(step, 0, steps))
+        # This process's CPU time (all its threads) per step: less moved by
+        # other work on the machine than wall time, which also counts waiting.
+        result["cpu_ms_per_step"] = 1e3 * (time.process_time() - cpu_started) / steps
+        if os.environ.get("BENCH_PROFILE"):
+            _profile(step, barrier, os.environ["BENCH_PROFILE"])
+        return result
     gc.collect()
     barrier()
     hwm_reset = _reset_vm_hwm()
     with PeakSampler() as sampler:
         baseline = sampler.rss()
-        for _ in range(memory_steps):
-            step()
+        times = _launch.time_steps(step, 0, memory_steps)
     hwm = _vm_hwm_bytes() if hwm_reset else None
-    result.update(
-        baseline_rss_bytes=baseline,
-        peak_rss_bytes=sampler.peak,
-        peak_minus_baseline_bytes=sampler.peak - baseline,
-        rss_samples=sampler.samples,
-        hwm_minus_baseline_bytes=None if hwm is None else hwm - baseline,
-        memory_steps=memory_steps,
-    )
-    if os.environ.get("BENCH_PROFILE"):
-        _profile(step, barrier, os.environ["BENCH_PROFILE"])
-    return result
+    return {
+        "median_ms_sampled": 1e3 * statistics.median(times),
+        "baseline_rss_bytes": baseline,
+        "peak_rss_bytes": sampler.peak,
+        "peak_minus_baseline_bytes": sampler.peak - baseline,
+        "rss_samples": sampler.samples,
+        "hwm_minus_baseline_bytes": None if hwm is None else hwm - baseline,
+        "memory_steps": memory_steps,
+    }
 
 
 def _profile(step, barrier, how, steps=5):
@@ -190,7 +215,7 @@ def _keras_layout_map(keras, mesh, model_kind):
     return layout_map
 
 
-def _keras_worker(model_kind, steps, warmup, memory_steps):
+def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
     import keras
     import torch
     import torch.distributed as dist
@@ -231,8 +256,8 @@ def _keras_worker(model_kind, steps, warmup, memory_steps):
     function = model.train_function
     batch = [(torch.as_tensor(_rows(x, replica, replicas)),
               torch.as_tensor(_rows(y, replica, replicas)))]
-    result = _measure(lambda: function(batch), dist.barrier, steps, warmup,
-                      memory_steps)
+    result = _measure(lambda: function(batch), dist.barrier, phase, steps,
+                      warmup, memory_steps)
     model.reset_metrics()  # the next loss is that step's, not a running mean
     logs = function(batch)
     result.update(
@@ -253,7 +278,7 @@ def _keras_worker(model_kind, steps, warmup, memory_steps):
     dist.destroy_process_group()
 
 
-def _torch_worker(model_kind, steps, warmup, memory_steps):
+def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -291,7 +316,7 @@ def _torch_worker(model_kind, steps, warmup, memory_steps):
             for a in _global_arrays(model_kind))
     step = _launch.torch_step(model, optimizer, x, y)
     step()  # as Keras' one fit step: builds Adam's state
-    result = _measure(step, dist.barrier, steps, warmup, memory_steps)
+    result = _measure(step, dist.barrier, phase, steps, warmup, memory_steps)
     step()
     loss = step.last_loss.detach().clone()
     dist.all_reduce(loss)  # the ranks' mean: the global batch's loss
@@ -314,7 +339,7 @@ def _torch_worker(model_kind, steps, warmup, memory_steps):
 
 def worker(case):
     framework, model_kind = case.split("_")[0], case.rsplit("_", 1)[1]
-    args = (model_kind, int(os.environ["BENCH_STEPS"]),
+    args = (model_kind, os.environ["BENCH_PHASE"], int(os.environ["BENCH_STEPS"]),
             int(os.environ["BENCH_WARMUP"]), int(os.environ["BENCH_MEMORY_STEPS"]))
     if framework == "keras":
         _keras_worker(*args)
@@ -326,16 +351,25 @@ def _mib(n):
     return None if n is None else round(n / 2**20, 2)
 
 
-def _round_figures(ranks):
-    """One round of one case: the worse rank's figures."""
-    hwm = [r["hwm_minus_baseline_bytes"] for r in ranks]
+def _time_figures(ranks):
+    """One timing launch: the worse rank's figures."""
     return {
         "step_ms": max(r["median_ms"] for r in ranks),
-        "peak_mib": _mib(max(r["peak_minus_baseline_bytes"] for r in ranks)),
-        "hwm_mib": None if None in hwm else _mib(max(hwm)),
+        "cpu_ms": max(r["cpu_ms_per_step"] for r in ranks),
         "state_mib": _mib(max(r["param_bytes"] + r["optimizer_state_bytes"]
                               for r in ranks)),
         "final_loss": ranks[0]["final_loss"],
+        "loadavg": [ranks[0]["loadavg_1min_before"], ranks[0]["loadavg_1min_after"]],
+    }
+
+
+def _memory_figures(ranks):
+    """One memory launch: the worse rank's figures."""
+    hwm = [r["hwm_minus_baseline_bytes"] for r in ranks]
+    return {
+        "peak_mib": _mib(max(r["peak_minus_baseline_bytes"] for r in ranks)),
+        "hwm_mib": None if None in hwm else _mib(max(hwm)),
+        "step_ms_mmap_allocator": max(r["median_ms_sampled"] for r in ranks),
         "loadavg": [ranks[0]["loadavg_1min_before"], ranks[0]["loadavg_1min_after"]],
     }
 
@@ -346,53 +380,67 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1,
-                        help="rounds of all cases, interleaved; each case "
-                             "reports the median over rounds")
+                        help="rounds of all cases' timing launches, "
+                             "interleaved; each case reports the median over "
+                             "rounds")
+    parser.add_argument("--memory-rounds", type=int, default=1,
+                        help="memory launches per case, in the first rounds")
     parser.add_argument("--models", default="mlp,block,2x2",
                         help="comma-separated subset of " + ",".join(MODELS))
     parser.add_argument("--profile", choices=("torch", "cprofile"),
-                        help="after measuring, profile 5 more steps; rank 0 "
+                        help="after the timed steps, profile 5 more; rank 0 "
                              "writes results/fsdp_profile_<case>_<how>.txt")
-    parser.add_argument("--allocator", choices=sorted(ALLOCATORS), default="mmap",
-                        help="mmap: MALLOC_MMAP_THRESHOLD_=1048576 (RSS follows "
-                             "live tensors); default: glibc's own")
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     for m in models:
         if m not in MODELS:
             parser.error(f"--models: unknown {m!r}; choose from {sorted(MODELS)}")
-    env = dict(ALLOCATORS[args.allocator], BENCH_STEPS=str(args.steps),
-               BENCH_WARMUP=str(args.warmup),
+    env = dict(BENCH_STEPS=str(args.steps), BENCH_WARMUP=str(args.warmup),
                BENCH_MEMORY_STEPS=str(args.memory_steps))
     if args.profile:
         env["BENCH_PROFILE"] = args.profile
     print(f"fsdp: {models}, {args.steps} timed steps after {args.warmup}, "
-          f"{args.memory_steps} memory steps, {args.repeats} round(s), "
-          f"allocator {args.allocator}", flush=True)
-    rounds, errors = {}, {}
-    for _ in range(args.repeats):
+          f"{args.repeats} round(s); memory: {args.memory_steps} steps, "
+          f"{args.memory_rounds} round(s)", flush=True)
+    launches = {"time": {}, "memory": {}}
+    errors = {}
+    for round_index in range(max(args.repeats, args.memory_rounds)):
         for model_kind in models:
-            for framework in ("keras_fsdp", "torch_fsdp2"):
-                case = f"{framework}_{model_kind}"
-                try:
-                    ranks = _launch.launch(os.path.abspath(__file__), case,
-                                           MODELS[model_kind], timeout=400,
-                                           extra_env=env)
-                except RuntimeError as error:  # recorded, the run goes on
-                    errors.setdefault(case, []).append(str(error)[-3000:])
-                    print(f"  {case} FAILED: {str(error)[-800:]}", flush=True)
-                    continue
-                rounds.setdefault(case, []).append(ranks)
-    figures = {case: [_round_figures(r) for r in case_rounds]
-               for case, case_rounds in rounds.items()}
+            phases = [p for p, n in (("time", args.repeats),
+                                     ("memory", args.memory_rounds))
+                      if round_index < n]
+            for phase in phases:
+                for framework in ("keras_fsdp", "torch_fsdp2"):
+                    case = f"{framework}_{model_kind}"
+                    try:
+                        ranks = _launch.launch(
+                            os.path.abspath(__file__), case, MODELS[model_kind],
+                            timeout=400,
+                            extra_env=dict(env, BENCH_PHASE=phase,
+                                           **PHASE_ENV[phase]))
+                    except RuntimeError as error:  # recorded, the run goes on
+                        errors.setdefault(f"{case} {phase}", []).append(
+                            str(error)[-3000:])
+                        print(f"  {case} {phase} FAILED: {str(error)[-800:]}",
+                              flush=True)
+                        continue
+                    launches[phase].setdefault(case, []).append(ranks)
+    figures = {
+        case: {
+            "time": [_time_figures(r) for r in launches["time"].get(case, [])],
+            "memory": [_memory_figures(r) for r in launches["memory"].get(case, [])],
+        }
+        for case in sorted(set(launches["time"]) | set(launches["memory"]))
+    }
 
-    def median(case, key):
-        values = [f[key] for f in figures[case] if f[key] is not None]
+    def median(case, phase, key):
+        values = [f[key] for f in figures[case][phase] if f[key] is not None]
         return statistics.median(values) if values else None
 
-    medians = {case: {key: median(case, key)
-                      for key in ("step_ms", "peak_mib", "hwm_mib", "state_mib")}
-               for case in figures}
+    medians = {
+        case: {key: median(case, phase, key) for phase, key in KEYS}
+        for case in figures
+    }
     ratios = {}
     for model_kind in models:
         ours, theirs = f"keras_fsdp_{model_kind}", f"torch_fsdp2_{model_kind}"
@@ -401,32 +449,46 @@ def main():
         ratios[model_kind] = {
             key: (round(medians[ours][key] / medians[theirs][key], 3)
                   if medians[ours][key] and medians[theirs][key] else None)
-            for key in ("step_ms", "peak_mib", "hwm_mib", "state_mib")
+            for _, key in KEYS
         }
-        ratios[model_kind]["final_loss"] = [figures[ours][-1]["final_loss"],
-                                            figures[theirs][-1]["final_loss"]]
-    print("\nper case, median over rounds (worse rank): step ms | peak-baseline "
-          "MiB sampled | VmHWM-baseline MiB | params+optimizer state MiB/rank")
+        # The step ratio of each round (the two launched one after the
+        # other), and their median: less moved by the load drifting.
+        per_round = [round(a["step_ms"] / b["step_ms"], 3) for a, b in
+                     zip(figures[ours]["time"], figures[theirs]["time"])]
+        ratios[model_kind]["step_ms_per_round"] = per_round
+        ratios[model_kind]["step_ms_median_of_round_ratios"] = (
+            statistics.median(per_round) if per_round else None)
+        ratios[model_kind]["final_loss"] = [
+            figures[c]["time"][-1]["final_loss"] if figures[c]["time"] else None
+            for c in (ours, theirs)]
+
+    def fmt(value, digits=1):
+        return "   n/a" if value is None else f"{value:.{digits}f}"
+
+    print("\nper case (worse rank, median over rounds): step ms | CPU ms/step | "
+          "peak-baseline MiB sampled | VmHWM-baseline MiB | params+optimizer "
+          "state MiB/rank | step ms under the mmap allocator")
     for case, m in medians.items():
-        print(f"  {case:20} {m['step_ms']:8.1f} | {m['peak_mib']:7.1f} | "
-              f"{m['hwm_mib'] if m['hwm_mib'] is not None else float('nan'):7.1f} | "
-              f"{m['state_mib']:6.2f}   rounds ms "
-              f"{[round(f['step_ms'], 1) for f in figures[case]]} load "
-              f"{[f['loadavg'] for f in figures[case]]}")
+        print(f"  {case:20} {fmt(m['step_ms']):>8} | {fmt(m['cpu_ms']):>7} | "
+              f"{fmt(m['peak_mib']):>6} | {fmt(m['hwm_mib']):>6} | "
+              f"{fmt(m['state_mib'], 2):>6} | {fmt(m['step_ms_mmap_allocator']):>7}"
+              f"   rounds ms {[round(f['step_ms'], 1) for f in figures[case]['time']]}"
+              f" load {[f['loadavg'] for f in figures[case]['time']]}")
     print("\nkeras / torch:")
     for model_kind, r in ratios.items():
-        print(f"  {model_kind:6} step {r['step_ms']} (target <= {STEP_TARGET})  "
+        print(f"  {model_kind:6} step {r['step_ms']} (target <= {STEP_TARGET}; "
+              f"per round {r['step_ms_per_round']})  cpu {r['cpu_ms']}  "
               f"peak {r['peak_mib']} / hwm {r['hwm_mib']} (target <= "
               f"{MEMORY_TARGET})  state {r['state_mib']}  final losses "
-              f"{[round(v, 4) for v in r['final_loss']]}")
+              f"{[None if v is None else round(v, 4) for v in r['final_loss']]}")
     _launch.save("fsdp", {
         "benchmark": "fsdp", "machine": _launch.machine(),
         "steps": args.steps, "warmup": args.warmup,
         "memory_steps": args.memory_steps, "repeats": args.repeats,
-        "allocator": args.allocator, "env": ALLOCATORS[args.allocator],
+        "memory_rounds": args.memory_rounds, "phase_env": PHASE_ENV,
         "medians": medians, "ratios": ratios, "rounds": figures,
         "targets": {"step": STEP_TARGET, "peak_memory": MEMORY_TARGET},
-        "errors": errors, "runs": rounds,
+        "errors": errors, "launches": launches,
     })
 
 
