@@ -17,9 +17,11 @@ from keras.src.backend.torch import random as torch_random
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.initializers import constant_initializers
 from keras.src.initializers import random_initializers
+from keras.src.layers.normalization import batch_normalization
 from keras.src.layers import layer as keras_layer
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer
+from keras.src.random import seed_generator
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator
 from keras.src.backend.torch import trainer as torch_trainer
@@ -210,6 +212,33 @@ def keras_generator_for_seed(seed):
     return torch_random.torch_seed_generator(seed)
 
 
+def is_keras_seed_generator(seed):
+    """True for a `keras.random.SeedGenerator` (a layer's running seed)."""
+    return isinstance(seed, seed_generator.SeedGenerator)
+
+
+def dropout_uses_seed(seed, noise_shape):
+    """True when Keras' torch `dropout` draws its mask from `seed` (a
+    torch.Generator made from it), False when it calls torch's unseeded
+    `F.dropout` (torch's global generator): the test Keras makes."""
+    unseeded_generator = is_keras_seed_generator(seed) and seed._initial_seed is None
+    return (seed is not None and not unseeded_generator) or noise_shape is not None
+
+
+def batch_norm_reduction_axes(layer):
+    """The axes a BatchNormalization layer reduces over (all but its axis)."""
+    return layer._reduction_axes
+
+
+def model_step_function(model, kind):
+    """`model.train_function`, `test_function` or `predict_function`."""
+    return getattr(model, f"{kind}_function")
+
+
+def set_model_step_function(model, kind, function):
+    setattr(model, f"{kind}_function", function)
+
+
 def in_outer_call():
     """True when no Keras layer call is in progress (the next is outermost)."""
     return global_state.get_global_attribute("current_call_ctx") is None
@@ -313,6 +342,9 @@ def _patch_table():
     from keras_torch_distribution import data
     from keras_torch_distribution import distribution_lib
     from keras_torch_distribution import optimizer_update
+    from keras_torch_distribution import random_slices
+    from keras_torch_distribution import replica_start
+    from keras_torch_distribution import sync_batch_norm
     from keras_torch_distribution import saving
     from keras_torch_distribution import tensors
     from keras_torch_distribution import trainer
@@ -340,6 +372,19 @@ def _patch_table():
             wrap=True,
         ),
         Patch(keras_layer.Layer, "__call__", boundary.layer_call, wrap=True),
+        # A replica's rows (and a sharded activation's columns) of the random
+        # draws one process makes for the global batch.
+        Patch(torch_random, "dropout", random_slices.dropout, wrap=True),
+        Patch(torch_random, "normal", random_slices.normal, wrap=True),
+        Patch(torch_random, "uniform", random_slices.uniform, wrap=True),
+        Patch(torch_random, "randint", random_slices.randint, wrap=True),
+        # Moments over the global batch (all replicas' rows).
+        Patch(
+            batch_normalization.BatchNormalization,
+            "_moments",
+            sync_batch_norm.moments,
+            wrap=True,
+        ),
         Patch(base_optimizer.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(
             torch_adam.Adam,
@@ -354,19 +399,19 @@ def _patch_table():
         Patch(
             torch_trainer.TorchTrainer,
             "make_train_function",
-            compiled.make_train_function,
+            replica_start.make_train_function,
             wrap=True,
         ),
         Patch(
             torch_trainer.TorchTrainer,
             "make_test_function",
-            compiled.make_test_function,
+            replica_start.make_test_function,
             wrap=True,
         ),
         Patch(
             torch_trainer.TorchTrainer,
             "make_predict_function",
-            trainer.make_predict_function,
+            replica_start.make_predict_function,
             wrap=True,
         ),
         Patch(keras_model.Model, "fit", trainer.quiet_on_other_ranks, wrap=True),

@@ -23,6 +23,18 @@ from keras_torch_distribution import runtime
 from keras_torch_distribution.log import warn_once
 
 _batch_scale = [1.0]
+# (global rows, this replica's first row, its rows) of the batch in use,
+# while fit / evaluate / predict feed batches; None otherwise.
+_batch_rows = [None]
+
+
+def batch_rows():
+    """Where this replica's batch sits in the global batch: (global rows,
+    first row, rows), set as fit / evaluate / predict feed each batch
+    (random draws and batch statistics need it); None outside them, and
+    for batches nobody sharded (direct model calls: the rows a process
+    passes are the whole batch)."""
+    return _batch_rows[0]
 
 
 def batch_scale():
@@ -53,15 +65,18 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
     with _keras_compat.distribution_hidden():
         adapter = original(**arguments)
     group = replicas.current()
-    if not distribution.auto_shard_dataset or not group.is_distributed:
+    if not group.is_distributed:
         return adapter
+    if not distribution.auto_shard_dataset or _keras_compat.is_generator(x):
+        return _keras_compat.wrap_data_adapter(
+            adapter, lambda batches: (_process_rows(b, group) for b in batches),
+            num_batches=adapter.num_batches,
+        )
     if _keras_compat.is_torch_dataloader(x):
         return _keras_compat.wrap_data_adapter(
             adapter, lambda batches: _round_robin(batches, adapter, group),
             num_batches=_round_robin_count(adapter, group),
         )
-    if _keras_compat.is_generator(x):
-        return adapter
     if batch_size is not None and batch_size % group.count:
         raise ValueError(
             f"batch_size={batch_size} is the global batch and must be "
@@ -75,8 +90,7 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
 
 
 def _replica_rows(batch, group):
-    leaves = [t for t in keras.tree.flatten(batch) if t is not None]
-    rows = int(leaves[0].shape[0])
+    rows = _rows(batch)
     base, extra = divmod(rows, group.count)
     start = group.index * base + min(group.index, extra)
     count = base + (1 if group.index < extra else 0)
@@ -88,9 +102,24 @@ def _replica_rows(batch, group):
             "choosing another batch_size or dropping the remainder."
         )
     _batch_scale[0] = count * group.count / rows
+    _batch_rows[0] = (rows, start, count)
     return keras.tree.map_structure(
         lambda t: None if t is None else t[start : start + count], batch
     )
+
+
+def _process_rows(batch, group):
+    """A per-process batch: this replica's piece of a global batch made of
+    the replicas' equal pieces, in replica order."""
+    rows = _rows(batch)
+    _batch_scale[0] = 1.0
+    _batch_rows[0] = (rows * group.count, rows * group.index, rows)
+    return batch
+
+
+def _rows(batch):
+    leaves = [t for t in keras.tree.flatten(batch) if t is not None]
+    return int(leaves[0].shape[0])
 
 
 def _round_robin_count(adapter, group):
@@ -117,9 +146,15 @@ def _round_robin(batches, adapter, group):
         if limit is not None and position >= limit * group.count:
             return
         if position % group.count == group.index:
-            yield batch
+            yield _process_rows(batch, group)
 
 
 def reset_batch_scale():
     _batch_scale[0] = 1.0
+
+
+def forget_batches():
+    """fit / evaluate / predict ended: later calls are direct calls."""
+    _batch_scale[0] = 1.0
+    _batch_rows[0] = None
 
