@@ -102,6 +102,8 @@ def _sum_over_replicas(values, group, scale):
     for value, local in zip(values, locals_):
         piece = flat[offset : offset + local.numel()].view(local.shape)
         offset += local.numel()
+        if not value.requires_grad:  # the count: no gradient flows back
+            piece = piece.detach()
         if isinstance(value, DTensor):
             piece = DTensor.from_local(
                 piece,
