@@ -16,9 +16,12 @@ from keras_torch_distribution import data
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import layouts
 from keras_torch_distribution import optimizer_update
+from keras_torch_distribution import random_slices
+from keras_torch_distribution import replica_start
 from keras_torch_distribution import replicas
 from keras_torch_distribution import saving
 from keras_torch_distribution import sharding_rules
+from keras_torch_distribution import sync_batch_norm
 from keras_torch_distribution import tensors
 from keras_torch_distribution import trainer
 from keras_torch_distribution import variables
@@ -66,9 +69,19 @@ def _patch_table():
         # The model boundary and jit_compile.
         Patch(k.torch_nn_module, "_can_use_flash_attention", compiled.can_use_flash_attention, wrap=True),
         Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
-        Patch(k.TorchTrainer, "make_train_function", compiled.make_train_function, wrap=True),
-        Patch(k.TorchTrainer, "make_test_function", compiled.make_test_function, wrap=True),
-        Patch(k.TorchTrainer, "make_predict_function", trainer.make_predict_function, wrap=True),
+        # Step functions: replicas made equal before the first step, then
+        # Keras' step (the model call compiled under jit_compile=True).
+        Patch(k.TorchTrainer, "make_train_function", replica_start.make_train_function, wrap=True),
+        Patch(k.TorchTrainer, "make_test_function", replica_start.make_test_function, wrap=True),
+        Patch(k.TorchTrainer, "make_predict_function", replica_start.make_predict_function, wrap=True),
+        # A replica's rows (and a sharded activation's columns) of the random
+        # draws one process makes for the global batch.
+        Patch(k.torch_random_module, "dropout", random_slices.dropout, wrap=True),
+        Patch(k.torch_random_module, "normal", random_slices.normal, wrap=True),
+        Patch(k.torch_random_module, "uniform", random_slices.uniform, wrap=True),
+        Patch(k.torch_random_module, "randint", random_slices.randint, wrap=True),
+        # Moments over the global batch (all replicas' rows).
+        Patch(k.BatchNormalization, "_moments", sync_batch_norm.moments, wrap=True),
         # Data: each replica its rows of the global batch.
         Patch(k.epoch_iterator_data_adapters, "get_data_adapter", data.get_data_adapter, wrap=True),
         # Training: gradients averaged over replicas, metrics summed, Adam in place.

@@ -20,8 +20,10 @@ from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.initializers import constant_initializers
 from keras.src.initializers import random_initializers
 from keras.src.layers import layer as keras_layer
+from keras.src.layers.normalization import batch_normalization
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer
+from keras.src.random import seed_generator
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator
 from keras.src.backend.torch import trainer as torch_trainer
@@ -167,6 +169,33 @@ def keras_generator_for_seed(seed):
     return torch_random.torch_seed_generator(seed)
 
 
+def is_keras_seed_generator(seed):
+    """True for a `keras.random.SeedGenerator` (a layer's running seed)."""
+    return isinstance(seed, seed_generator.SeedGenerator)
+
+
+def dropout_uses_seed(seed, noise_shape):
+    """True when Keras' torch `dropout` draws its mask from `seed` (a
+    torch.Generator made from it), False when it calls torch's unseeded
+    `F.dropout` (torch's global generator): the test Keras makes."""
+    unseeded_generator = is_keras_seed_generator(seed) and seed._initial_seed is None
+    return (seed is not None and not unseeded_generator) or noise_shape is not None
+
+
+def batch_norm_reduction_axes(layer):
+    """The axes a BatchNormalization layer reduces over (all but its axis)."""
+    return layer._reduction_axes
+
+
+def model_step_function(model, kind):
+    """`model.train_function`, `test_function` or `predict_function`."""
+    return getattr(model, f"{kind}_function")
+
+
+def set_model_step_function(model, kind, function):
+    setattr(model, f"{kind}_function", function)
+
+
 def in_outer_call():
     """True when no Keras layer call is in progress (the next is outermost)."""
     return global_state.get_global_attribute("current_call_ctx") is None
@@ -218,6 +247,8 @@ def initializer_kind(initializer):
 keras_backend_module = keras_backend
 keras_distribution_module = keras_distribution_lib
 torch_nn_module = torch_nn
+torch_random_module = torch_random
+BatchNormalization = batch_normalization.BatchNormalization
 Layer = keras_layer.Layer
 Model = keras_model.Model
 BaseOptimizer = base_optimizer.BaseOptimizer

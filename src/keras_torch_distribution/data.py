@@ -12,7 +12,9 @@ A torch `DataLoader` yields per-process batches: replica r takes batches
 r, r+R, r+2R, ... (a remainder of fewer than R batches is left out of each
 epoch, with a warning). A Python generator is used as given (shard it
 yourself). A batched `tf.data.Dataset` is taken as global batches, like arrays.
-With `auto_shard_dataset=False` every input is used as given.
+With `auto_shard_dataset=False` every input is used as given: each batch is
+this replica's piece of a global batch made of the replicas' equal pieces,
+in replica order.
 """
 
 import keras
@@ -21,6 +23,21 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution.log import warn_once
+
+
+def batch_rows():
+    """Where this replica's batch sits in the global batch: (global rows,
+    first row, rows), set as fit / evaluate / predict feed each batch
+    (random draws and batch statistics need it); None outside them, and
+    for batches nobody sharded (direct model calls: the rows a process
+    passes are the whole batch)."""
+    return replicas.batch_weight.rows
+
+
+def batch_scale():
+    """The current batch's weight (see replicas.BatchWeight)."""
+    return replicas.batch_scale()
+
 
 def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
                      steps_per_epoch=None, shuffle=False, class_weight=None):
@@ -44,15 +61,18 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
     with _keras.distribution_hidden():
         adapter = original(**arguments)
     group = replicas.current()
-    if not distribution.auto_shard_dataset or not group.is_distributed:
+    if not group.is_distributed:
         return _as_given(adapter)
+    if not distribution.auto_shard_dataset or _keras.is_generator(x):
+        return _wrap(
+            adapter, lambda batches: (_process_rows(b, group) for b in batches),
+            num_batches=adapter.num_batches,
+        )
     if _keras.is_torch_dataloader(x):
         return _wrap(
             adapter, lambda batches: _round_robin(batches, adapter, group),
             num_batches=_round_robin_count(adapter, group),
         )
-    if _keras.is_generator(x):
-        return _as_given(adapter)
     if batch_size is not None and batch_size % group.count:
         raise ValueError(
             f"batch_size={batch_size} is the global batch and must be "
@@ -66,8 +86,7 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
 
 
 def _replica_rows(batch, group):
-    leaves = [t for t in keras.tree.flatten(batch) if t is not None]
-    rows = int(leaves[0].shape[0])
+    rows = _rows(batch)
     base, extra = divmod(rows, group.count)
     start = group.index * base + min(group.index, extra)
     count = base + (1 if group.index < extra else 0)
@@ -78,10 +97,23 @@ def _replica_rows(batch, group):
             "samples leave a last batch of at least that many rows, e.g. by "
             "choosing another batch_size or dropping the remainder."
         )
-    replicas.batch_weight.set(count * group.count / rows)
+    replicas.batch_weight.set(count * group.count / rows, (rows, start, count))
     return keras.tree.map_structure(
         lambda t: None if t is None else t[start : start + count], batch
     )
+
+
+def _process_rows(batch, group):
+    """A per-process batch: this replica's piece of a global batch made of
+    the replicas' equal pieces, in replica order; it weighs an even share."""
+    rows = _rows(batch)
+    replicas.batch_weight.set(1.0, (rows * group.count, rows * group.index, rows))
+    return batch
+
+
+def _rows(batch):
+    leaves = [t for t in keras.tree.flatten(batch) if t is not None]
+    return int(leaves[0].shape[0])
 
 
 def _round_robin_count(adapter, group):
@@ -107,16 +139,16 @@ def _round_robin(batches, adapter, group):
         if limit is not None and position >= limit * group.count:
             return
         if position % group.count == group.index:
-            replicas.batch_weight.reset()
-            yield batch
+            yield _process_rows(batch, group)
 
 
 def _as_given(adapter):
-    """The adapter's batches as they are, each weighing an even share."""
+    """The adapter's batches as they are (one replica: each is the whole
+    global batch), each weighing an even share."""
 
     def even(batches):
         for batch in batches:
-            replicas.batch_weight.reset()
+            replicas.batch_weight.forget()
             yield batch
 
     return _wrap(adapter, even, num_batches=adapter.num_batches)

@@ -88,23 +88,32 @@ def clear_cache():
 
 
 class BatchWeight:
-    """How much this replica's current batch weighs against an even share:
-    rows here * replicas / rows in the global batch (1.0 for even batches).
+    """The batch in use on this replica: its weight against an even share
+    (rows here * replicas / rows in the global batch; 1.0 for even batches)
+    and, when fit / evaluate / predict fed it, where it sits in the global
+    batch (`rows`: global rows, first row, rows; None otherwise).
 
-    Set for each batch as the data adapter yields it, read by the gradient
-    averaging of that batch's step, and reset to 1.0 once the step's update
-    is applied, so no step inherits another's weight (train_on_batch after a
-    fit whose last batch was partial, per-process input, generators).
+    Set for each batch as the data adapter yields it, read by that batch's
+    step (gradient averaging, random draws, batch statistics); the weight
+    is reset to 1.0 once the step's update is applied, and both when
+    fit / evaluate / predict end, so no step inherits another's batch
+    (train_on_batch after a fit whose last batch was partial, direct calls).
     """
 
     def __init__(self):
         self.value = 1.0
+        self.rows = None
 
-    def set(self, value):
+    def set(self, value, rows=None):
         self.value = float(value)
+        self.rows = rows
 
     def reset(self):
         self.value = 1.0
+
+    def forget(self):
+        self.value = 1.0
+        self.rows = None
 
 
 batch_weight = BatchWeight()

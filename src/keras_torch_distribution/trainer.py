@@ -221,4 +221,7 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
         kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))
-    return original(model, *args, **kwargs)
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        replicas.batch_weight.forget()
