@@ -324,7 +324,7 @@ def _error_cases():
             np.zeros((4, 2), "float32"),
             keras.distribution.TensorLayout(("batch", None), mesh),
         ),
-        keras.distribution.TensorLayout(("batch",), mesh),
+        keras.distribution.TensorLayout(("batch", None, None), mesh),
     )
     errors["too_few_devices"] = _error_of(
         lambda: keras.distribution.DeviceMesh((1,), ["batch"], devices[:1]).backend_mesh
@@ -780,7 +780,8 @@ def test_error_cases(pool2):
         _assert_error(
             errors["rank_dtensor"],
             "ValueError",
-            r"Layout axes \('batch',\) have 1 entries, but the tensor has shape \(4, 2\)",
+            r"Layout axes \('batch', None, None\) have 3 entries, but the tensor has "
+            r"shape \(4, 2\)",
         )
         _assert_error(
             errors["too_few_devices"],

@@ -82,11 +82,15 @@ def test_unknown_axis_name_in_a_tensor_layout(one_process):
         layouts.placements_for((None, "modle"), ["model"])
 
 
-def test_layout_rank_must_match_variable_rank(one_process):
-    keras.distribution.set_distribution(_model_parallel(one_process, {".*kernel": ("model",)}))
-    with pytest.raises(ValueError, match=r"Layout axes \('model',\) have 1 entries, but "
-                       r"variable 'net/dense/kernel' has shape \(3, 4\) \(rank 2\). Give "
-                       r"the layout one entry \(an axis name or None\) per dim."):
+def test_layout_longer_than_variable_rank(one_process):
+    keras.distribution.set_distribution(
+        _model_parallel(one_process, {".*kernel": (None, "model", None)})
+    )
+    with pytest.raises(ValueError, match=r"Layout axes \(None, 'model', None\) have 3 "
+                       r"entries, but variable 'net/dense/kernel' has shape \(3, 4\) "
+                       r"\(rank 2\). Give the layout one entry \(an axis name or None\) "
+                       r"per dim, or fewer: a shorter layout lays out the leading dims "
+                       r"and replicates the rest \(e.g. \(None, 'model'\)\)."):
         _dense_model()
 
 
@@ -144,11 +148,9 @@ def mesh_errors():
     one = keras.distribution.DeviceMesh((1,), ["model"], devices[:1])
     layout_map = keras.distribution.LayoutMap(one)
     layout_map[".*kernel"] = (None, "model")
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
+    found["model_parallel"] = _error_text(
+        lambda: keras.distribution.ModelParallel(layout_map=layout_map)
     )
-    found["model_parallel"] = _error_text(_dense_model)
-    keras.distribution.set_distribution(None)
     found["data_parallel"] = _error_text(
         lambda: keras.distribution.DataParallel(devices=devices[:1]).device_mesh.backend_mesh
     )

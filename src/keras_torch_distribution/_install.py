@@ -66,9 +66,16 @@ def _patch_table():
         Patch(k.TorchVariable, "__array__", variables.to_numpy, wrap=True),
         Patch(k.TorchVariable, "__repr__", variables.describe, wrap=True),
         Patch(k.keras_backend_module, "convert_to_numpy", tensors.to_numpy, wrap=True),
+        # In-place writes that meet DTensors (keras_hub's KV cache, samplers).
+        Patch(k.torch_core_module, "slice_update", tensors.slice_update, wrap=True),
+        Patch(k.torch_core_module, "scatter_update", tensors.scatter_update, wrap=True),
         # The model boundary and jit_compile.
         Patch(k.torch_nn_module, "_can_use_flash_attention", compiled.can_use_flash_attention, wrap=True),
         Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
+        Patch(k.Layer, "_get_own_losses", boundary.plain_losses, wrap=True),
+        Patch(k.Layer, "_get_regularization_losses", boundary.plain_losses, wrap=True),
+        # Distributions check their batch axis and mesh when constructed.
+        Patch(k.Distribution, "__init__", distribution_lib.check_distribution, wrap=True),
         # Step functions: replicas made equal before the first step, then
         # Keras' step (the model call compiled under jit_compile=True).
         Patch(k.TorchTrainer, "make_train_function", replica_start.make_train_function, wrap=True),
@@ -94,6 +101,15 @@ def _patch_table():
         # Files: Keras files from rank 0, sharded checkpoints for backups.
         Patch(k.Model, "save", saving.save, wrap=True),
         Patch(k.Model, "save_weights", saving.save_weights, wrap=True),
+        Patch(k.Model, "summary", saving.summary, wrap=True),
+        *[
+            Patch(store, name, replacement, wrap=True)
+            for store in k.KERAS_FILE_STORES
+            for name, replacement in (
+                ("__init__", saving.store_init),
+                ("close", saving.store_close),
+            )
+        ],
         Patch(k.BackupAndRestore, "_save_model", checkpoint.backup_save, wrap=True),
         Patch(k.BackupAndRestore, "_load_model", checkpoint.backup_load, wrap=True),
         Patch(k.BackupAndRestore, "on_train_end", checkpoint.backup_train_end, wrap=True),

@@ -13,6 +13,7 @@ import types
 import keras
 from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state
+from keras.src.backend.common import name_scope
 from keras.src.backend.torch import core as torch_core
 from keras.src.backend.torch import nn as torch_nn
 from keras.src.backend.torch import random as torch_random
@@ -24,6 +25,7 @@ from keras.src.layers.normalization import batch_normalization
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer
 from keras.src.random import seed_generator
+from keras.src.saving import saving_lib
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator
 from keras.src.backend.torch import trainer as torch_trainer
@@ -196,6 +198,12 @@ def set_model_step_function(model, kind, function):
     setattr(model, f"{kind}_function", function)
 
 
+def current_name_scope():
+    """The path of the Keras name scope open now ('' outside any), e.g. a
+    layer's path while Keras lays out its output."""
+    return name_scope.current_path()
+
+
 def in_outer_call():
     """True when no Keras layer call is in progress (the next is outermost)."""
     return global_state.get_global_attribute("current_call_ctx") is None
@@ -247,6 +255,9 @@ def initializer_kind(initializer):
 keras_backend_module = keras_backend
 keras_distribution_module = keras_distribution_lib
 torch_nn_module = torch_nn
+torch_core_module = torch_core
+Distribution = keras_distribution_lib.Distribution
+KERAS_FILE_STORES = (saving_lib.H5IOStore, saving_lib.ShardedH5IOStore, saving_lib.NpzIOStore)
 torch_random_module = torch_random
 BatchNormalization = batch_normalization.BatchNormalization
 Layer = keras_layer.Layer

@@ -29,6 +29,25 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     runtime.initialize(job_addresses, num_processes, process_id)
 
 
+def check_distribution(original, distribution, device_mesh, batch_dim_name=None,
+                       *args, **kwargs):
+    """Keras `Distribution.__init__`, which first checks that the batch axis
+    is an axis of the mesh and, once processes run, that the mesh covers
+    every process (DataParallel never builds a torch mesh, so a mesh of
+    fewer devices would otherwise go unnoticed)."""
+    axis_names = list(device_mesh.axis_names)
+    if batch_dim_name is not None and batch_dim_name not in axis_names:
+        raise ValueError(
+            f"{type(distribution).__name__}(batch_dim_name={batch_dim_name!r}): "
+            f"the mesh has no axis {batch_dim_name!r}; its axes are "
+            f"{axis_names}. Pass batch_dim_name= one of them (the data-parallel "
+            "axis), or name that axis so in the DeviceMesh."
+        )
+    if runtime.is_initialized():
+        layouts.check_mesh(device_mesh, runtime.num_processes())
+    return original(distribution, device_mesh, batch_dim_name, *args, **kwargs)
+
+
 def _to_backend_mesh(device_mesh):
     return layouts.to_torch_mesh(device_mesh)
 
@@ -42,7 +61,9 @@ def distribute_tensor(tensor, layout):
 
     A plain tensor is taken as the full value (the same on every rank); each
     rank keeps its block without communication. A DTensor is relayouted
-    (a `Partial` one is reduced). Collective for DTensors: call on every rank.
+    (a `Partial` one is reduced). A layout shorter than the tensor lays out
+    its leading dims, as JAX reads a PartitionSpec. Collective for DTensors:
+    call on every rank.
 
     Inside a layer call (Keras relayouts a layer's output named
     `<layer path>/output` in a LayoutMap) the tensor is an activation: this
@@ -51,6 +72,13 @@ def distribute_tensor(tensor, layout):
     whole (layouts never change numbers), and a tensor the rest of the
     layout does not shard is returned as it is, or made whole.
     """
+    scope = _keras.current_name_scope()
+    what = "the tensor"
+    if scope:
+        what = (
+            f"the tensor distributed in Keras name scope {scope!r} (a layer's "
+            f"output, when a LayoutMap key matches {scope + '/output'!r})"
+        )
     torch_layout = _resolve(layout)
     if not _keras.in_outer_call():
         distribution = _keras.current_distribution()
@@ -58,7 +86,7 @@ def distribute_tensor(tensor, layout):
         torch_layout = layouts.without_axis(torch_layout, batch_axis)
         if not torch_layout.is_sharded:
             return tensors.full_value(tensor)
-    return tensors.to_layout(tensor, torch_layout)
+    return tensors.to_layout(tensor, torch_layout, what)
 
 
 def distribute_variable(value, layout):
@@ -69,17 +97,19 @@ def distribute_variable(value, layout):
 
 
 def distribute_data_input(per_process_batch, layout, batch_dim_name):
-    """The global batch as a DTensor made of every process's local rows.
+    """This process's rows of the global batch, as a plain tensor.
 
-    Processes in the same model replica must pass the same rows.
+    The batch axis is data, as on JAX: each coordinate along it holds its
+    own rows of the global batch, and the model computes on them as plain
+    local tensors. A plain `per_process_batch` already is those rows; a
+    DTensor (a global batch) gives this process's block of it under
+    `layout`. Collective for DTensors: call on every rank.
     """
-    torch_layout = _resolve(layout)
+    del batch_dim_name  # the layout's axes name it
     batch = tensors.as_torch(per_process_batch)
     if isinstance(batch, DTensor):
-        return tensors.to_layout(batch, torch_layout)
-    return DTensor.from_local(
-        batch, torch_layout.mesh, torch_layout.placements, run_check=False
-    )
+        return tensors.to_layout(batch, _resolve(layout)).to_local()
+    return batch
 
 
 def _resolve(layout):

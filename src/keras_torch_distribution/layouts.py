@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import runtime
+from keras_torch_distribution.log import warn_once
 
 _torch_meshes = {}  # mesh_key -> (the world group it was built in, torch mesh)
 
@@ -54,7 +55,27 @@ def to_torch_mesh(keras_mesh):
     # holds dead groups: build it anew for the running group.
     if cached is not None and cached[0] is world_group:
         return cached[1]
+    check_mesh(keras_mesh, world)
     shape, axis_names, devices = key
+    ranks = [device_rank(d) for d in devices]
+    kinds = {str(d).split(":")[0].lower() for d in devices}
+    device_type = "cuda" if kinds & {"gpu", "cuda"} else "cpu"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"DeviceMesh devices {list(devices)} are GPUs, but CUDA is not "
+            "available in this process. Use keras.distribution.list_devices('cpu')."
+        )
+    rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
+    _check_rank_order(rank_grid, axis_names, devices)
+    mesh = TorchDeviceMesh(device_type, rank_grid, mesh_dim_names=axis_names)
+    _torch_meshes[key] = (world_group, mesh)
+    return mesh
+
+
+def check_mesh(keras_mesh, world):
+    """Refuse a mesh that does not hold each of the `world` processes once
+    (one device per process) or that repeats an axis name."""
+    shape, axis_names, devices = mesh_key(keras_mesh)
     if len(devices) != world:
         raise ValueError(
             f"DeviceMesh shape={shape} has {len(devices)} devices, but "
@@ -74,18 +95,6 @@ def to_torch_mesh(keras_mesh):
             f"DeviceMesh axis_names {list(axis_names)} repeat a name; each "
             "mesh axis needs its own name."
         )
-    kinds = {str(d).split(":")[0].lower() for d in devices}
-    device_type = "cuda" if kinds & {"gpu", "cuda"} else "cpu"
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"DeviceMesh devices {list(devices)} are GPUs, but CUDA is not "
-            "available in this process. Use keras.distribution.list_devices('cpu')."
-        )
-    rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
-    _check_rank_order(rank_grid, axis_names, devices)
-    mesh = TorchDeviceMesh(device_type, rank_grid, mesh_dim_names=axis_names)
-    _torch_meshes[key] = (world_group, mesh)
-    return mesh
 
 
 def _check_rank_order(rank_grid, axis_names, devices):
@@ -205,12 +214,86 @@ def to_torch_layout(keras_layout):
 
 
 def check_rank(layout, shape, what):
-    if len(layout.axes) != len(shape):
+    """Refuse a layout with more entries than `shape` has dims.
+
+    A shorter layout is read as a prefix, as JAX reads a PartitionSpec: its
+    entries lay out the leading dims and the rest are replicated.
+    """
+    if len(layout.axes) > len(shape):
         raise ValueError(
-            f"Layout axes {layout.axes} have {len(layout.axes)} entries, but "
-            f"{what} has shape {tuple(shape)} (rank {len(shape)}). Give the "
-            "layout one entry (an axis name or None) per dim."
+            f"Layout axes {tuple(layout.axes)} have {len(layout.axes)} "
+            f"entries, but {what} has shape {tuple(shape)} (rank "
+            f"{len(shape)}). Give the layout one entry (an axis name or None) "
+            "per dim, or fewer: a shorter layout lays out the leading dims "
+            f"and replicates the rest (e.g. {tuple(layout.axes)[: len(shape)]})."
         )
+
+
+def for_variable(torch_layout, shape, what):
+    """The layout of a variable of `shape` under `torch_layout`.
+
+    Refuses a layout longer than the shape; a shorter one lays out the
+    leading dims. Mesh axes of size 1 split nothing and are dropped (DTensor
+    then propagates sharding over fewer axes). A dim smaller than the number
+    of processes sharding it (1 key/value head over 2) is replicated
+    instead, with a warning, as Megatron replicates key/value heads when
+    there are fewer than tensor-parallel ranks: otherwise some ranks would
+    hold nothing of it, and DTensor cannot reshape such a dim (every einsum
+    kernel reshapes).
+    """
+    check_rank(torch_layout, shape, what)
+    mesh = torch_layout.mesh
+    pieces = [1] * len(shape)
+    for axis, placement in enumerate(torch_layout.placements):
+        if isinstance(placement, Shard):
+            pieces[placement.dim] *= mesh.size(axis)
+    too_small = [d for d, n in enumerate(shape) if 0 < int(n) < pieces[d]]
+    placements = tuple(
+        Replicate()
+        if isinstance(p, Shard) and (p.dim in too_small or mesh.size(axis) == 1)
+        else p
+        for axis, p in enumerate(torch_layout.placements)
+    )
+    if placements == tuple(torch_layout.placements):
+        return torch_layout
+    axes = _axes_of(placements, mesh.mesh_dim_names, len(shape))
+    if too_small:
+        warn_once(
+            ("replicated-small-dims", what, tuple(torch_layout.axes)),
+            "%s has shape %s: layout %s splits dims %s over more processes "
+            "than they have entries, so they are replicated instead (layout "
+            "%s).",
+            what,
+            tuple(shape),
+            tuple(torch_layout.axes),
+            too_small,
+            axes,
+        )
+    return TorchLayout(mesh, placements, axes)
+
+
+def _axes_of(placements, axis_names, rank):
+    """Keras layout axes (one entry per dim) for DTensor placements."""
+    names = [[] for _ in range(rank)]
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            names[placement.dim].append(axis_names[axis])
+    return tuple(
+        None if not n else n[0] if len(n) == 1 else tuple(n) for n in names
+    )
+
+
+def uneven_dims(value):
+    """[(dim, size, processes)] of the dims a DTensor shards unevenly."""
+    pieces = {}
+    for axis, placement in enumerate(value.placements):
+        if isinstance(placement, Shard):
+            pieces[placement.dim] = pieces.get(placement.dim, 1) * value.device_mesh.size(axis)
+    return [
+        (d, int(value.shape[d]), n)
+        for d, n in sorted(pieces.items())
+        if int(value.shape[d]) % n
+    ]
 
 
 def local_box(global_shape, mesh, placements):

@@ -4,10 +4,18 @@
 variable is a collective, done variable by variable as Keras writes them),
 but only rank 0's file lands at the path; the others write into a temporary
 directory that is removed. Every rank returns once the file is complete.
-File-writing callbacks (CSVLogger, TensorBoard) write from rank 0 only.
+The same holds for every file Keras' weight stores write (`H5IOStore`,
+`ShardedH5IOStore`, `NpzIOStore`), whichever API opens them (keras_hub's
+`save_lora_weights` among others): on ranks other than 0 a store opened for
+writing at a path writes into a scratch directory instead, and closing a
+store waits until every rank has closed its own, so rank 0's file is
+complete when any rank goes on (to read it back, say).
+File-writing callbacks (CSVLogger, TensorBoard) write, and `model.summary()`
+prints, from rank 0 only.
 """
 
 import atexit
+import inspect
 import os
 import shutil
 import tempfile
@@ -42,6 +50,65 @@ def save(original, model, filepath, *args, **kwargs):
 def save_weights(original, model, filepath, *args, **kwargs):
     """Keras `Model.save_weights`. Collective: call on every rank."""
     return _collective_write(original, model, filepath, *args, **kwargs)
+
+
+def store_init(original, store, *args, **kwargs):
+    """Keras weight store `__init__`: a store opened for writing at a path
+    writes into a scratch directory on ranks other than 0 (see the module
+    docstring). Collective with `store_close`: every rank opens and closes
+    the store."""
+    bound = inspect.signature(original).bind(store, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = bound.arguments
+    path_name = "root_path" if "root_path" in arguments else "path_or_io"
+    path = arguments[path_name]
+    collective = (
+        arguments.get("mode") == "w"
+        and arguments.get("archive") is None
+        and isinstance(path, (str, os.PathLike))
+        and runtime.num_processes() > 1
+    )
+    scratch = None
+    if collective and runtime.process_id() != 0:
+        scratch = tempfile.mkdtemp(prefix="ktd-discard-")
+        arguments[path_name] = os.path.join(scratch, os.path.basename(str(path)))
+    store._ktd_collective_write = (collective, scratch)
+    try:
+        return original(*bound.args, **bound.kwargs)
+    except BaseException:
+        store._ktd_collective_write = (False, None)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+
+def store_close(original, store):
+    """Keras weight store `close`: once rank 0's file is complete, every
+    rank goes on. Collective for stores opened for writing at a path."""
+    collective, scratch = getattr(store, "_ktd_collective_write", (False, None))
+    try:
+        return original(store)
+    finally:
+        store._ktd_collective_write = (False, None)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if collective:
+            dist.barrier()
+
+
+def summary(original, model, *args, **kwargs):
+    """Keras `Model.summary`: printed by rank 0 only. A `print_fn` passed
+    in is called on every rank (it may collect the text)."""
+    if runtime.process_id() != 0:
+        bound = inspect.signature(original).bind(model, *args, **kwargs)
+        if bound.arguments.get("print_fn") is None:
+            bound.arguments["print_fn"] = _discard
+            return original(*bound.args, **bound.kwargs)
+    return original(model, *args, **kwargs)
+
+
+def _discard(*args, **kwargs):
+    del args, kwargs
 
 
 def callbacks_for_this_rank(callbacks):

@@ -47,12 +47,13 @@ def from_local_block(block, torch_layout, global_shape):
     )
 
 
-def to_layout(value, torch_layout):
-    """`value` as a DTensor of `torch_layout`.
+def to_layout(value, torch_layout, what="the tensor"):
+    """`value` as a DTensor of `torch_layout` (a shorter layout lays out the
+    leading dims; `what` names the value in errors).
 
     Collective when `value` is a DTensor of another layout: call on every rank.
     """
-    layouts.check_rank(torch_layout, tuple(value.shape), "the tensor")
+    layouts.check_rank(torch_layout, tuple(value.shape), what)
     if isinstance(value, DTensor):
         if value.device_mesh == torch_layout.mesh:
             if tuple(value.placements) == tuple(torch_layout.placements):
@@ -106,17 +107,69 @@ def to_numpy(original, value):
     return original(value)
 
 
+def _writable_by(inputs, updates):
+    """`inputs` in a container that `updates` can be written into.
+
+    Keras' torch `slice_update` / `scatter_update` clone `inputs` and write
+    `updates` into the clone in place. DTensor refuses in-place ops on a
+    plain tensor (keras_hub's cached attention writes head-sharded
+    key/value updates into a plain cache) and in-place index writes that
+    would change a sharded tensor's placement (keras_hub's samplers write
+    each new token into a batch-sharded prompt). When either is a DTensor,
+    the write goes into a replicated DTensor: a plain `inputs` is the
+    replicated value it stands for (as implicit replication reads it), a
+    sharded one is gathered. Collective when `inputs` is a sharded DTensor:
+    call on every rank.
+    """
+    if isinstance(inputs, DTensor):
+        mesh = inputs.device_mesh
+        if all(isinstance(p, Replicate) for p in inputs.placements):
+            return inputs
+        return inputs.redistribute(mesh, [Replicate()] * mesh.ndim)
+    if not isinstance(updates, DTensor) or not isinstance(inputs, torch.Tensor):
+        return inputs
+    mesh = updates.device_mesh
+    return DTensor.from_local(
+        inputs.to(updates.device), mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+
+
+def slice_update(original, inputs, start_indices, updates):
+    """Keras' torch `slice_update`, also for plain `inputs` and DTensor
+    `updates` or start indices (an index computed from a DTensor, as
+    keras_hub's samplers compute the cache position, is used as its full
+    value)."""
+    if isinstance(start_indices, (list, tuple)):
+        start_indices = type(start_indices)(full_value(i) for i in start_indices)
+    else:
+        start_indices = full_value(start_indices)
+    return original(_writable_by(inputs, updates), start_indices, updates)
+
+
+def scatter_update(original, inputs, indices, updates, reduction=None):
+    """Keras' torch `scatter_update`, also for plain `inputs` and DTensor
+    `updates` or indices."""
+    inputs = _writable_by(inputs, updates)
+    if not isinstance(inputs, DTensor):
+        indices = full_value(indices)
+    return original(inputs, indices, updates, reduction=reduction)
+
+
 def reduce_partial(value):
     """A DTensor with its partial sums reduced (other placements kept).
 
     Differentiable: the gradient flows back replicated on the reduced mesh
-    axes. Collective for DTensors with a Partial placement: call on every rank.
+    axes, with its local block laid out as the gradient says (see
+    `_ReducePartial`). Collective for DTensors with a Partial placement:
+    call on every rank.
     """
     if not isinstance(value, DTensor):
         return value
-    if not any(isinstance(p, Partial) for p in value.placements):
-        return value
-    return _ReducePartial.apply(value)
+    if any(isinstance(p, Partial) for p in value.placements):
+        return _ReducePartial.apply(value)
+    if value.requires_grad and not torch.compiler.is_compiling():
+        value.register_hook(_locally_contiguous)
+    return value
 
 
 class _ReducePartial(torch.autograd.Function):
@@ -125,6 +178,16 @@ class _ReducePartial(torch.autograd.Function):
     DTensor's own `redistribute` would send the gradient back to the source
     placement, which fails for the masked partial sums of a vocabulary-sharded
     embedding lookup (Partial(sum) -> MaskPartial is unsupported).
+
+    The backward also gives the gradient a local block laid out as the
+    gradient's own strides say. torch 2.13's DTensor can produce gradients
+    whose local block is transposed while the DTensor claims to be
+    contiguous (a `cat` of gradients whose size-1 dims carry other strides,
+    as in keras_hub's rotary embeddings under a heads-sharded layout); the
+    next `view` in a layer (every EinsumDense reshapes) then fails with
+    "view size is not compatible with input tensor's size and stride".
+    Layer outputs pass through here (outputs with no partial sums get the
+    same repair as a gradient hook), so gradients enter each layer sound.
     """
 
     @staticmethod
@@ -142,6 +205,22 @@ class _ReducePartial(torch.autograd.Function):
             Replicate() if partial else p
             for p, partial in zip(grad.placements, ctx.partial_axes)
         ]
-        if placements == list(grad.placements):
-            return grad
-        return grad.redistribute(grad.device_mesh, placements)
+        if placements != list(grad.placements):
+            grad = grad.redistribute(grad.device_mesh, placements)
+        return _locally_contiguous(grad)
+
+
+def _locally_contiguous(value):
+    """`value` with a contiguous local block when the DTensor says it is
+    contiguous (see `_ReducePartial`)."""
+    local = value.to_local()
+    if not value.is_contiguous() or local.is_contiguous():
+        return value
+    return DTensor.from_local(
+        local.contiguous(),
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )

@@ -67,7 +67,9 @@ def sharded_layout(variable):
         if any(axis is not None for axis in layout.axes):
             torch_layout = layout.backend_layout
     if torch_layout is not None:
-        layouts.check_rank(torch_layout, variable.shape, f"variable {variable.path!r}")
+        torch_layout = layouts.for_variable(
+            torch_layout, variable.shape, f"variable {variable.path!r}"
+        )
         if not torch_layout.is_sharded:
             torch_layout = None
     distribution = _keras.current_distribution()
