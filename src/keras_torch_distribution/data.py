@@ -16,6 +16,8 @@ With `auto_shard_dataset=False` every input is used as given.
 """
 
 import keras
+import torch
+import torch.distributed
 
 from keras_torch_distribution import _keras_compat
 from keras_torch_distribution import replicas
@@ -72,6 +74,8 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
             adapter, lambda batches: (_process_rows(b, group) for b in batches),
             num_batches=adapter.num_batches,
         )
+    if shuffle or _keras_compat.is_torch_dataloader(x):
+        _same_torch_generator_everywhere()
     if _keras_compat.is_torch_dataloader(x):
         return _keras_compat.wrap_data_adapter(
             adapter, lambda batches: _round_robin(batches, adapter, group),
@@ -87,6 +91,17 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
         adapter, lambda batches: (_replica_rows(b, group) for b in batches),
         num_batches=adapter.num_batches,
     )
+
+
+def _same_torch_generator_everywhere():
+    """Keras (and a DataLoader) shuffle with torch's global generator;
+    every process must draw the same permutation of the global batches
+    (processes seeded differently would each take their rows of another
+    one): rank 0's generator state goes to every process. Collective: call
+    on every rank."""
+    state = torch.get_rng_state()
+    torch.distributed.broadcast(state, src=0)
+    torch.set_rng_state(state)
 
 
 def _replica_rows(batch, group):

@@ -166,7 +166,7 @@ def _weights(model):
 
 
 def _run(case, mesh=None, auto_shard=True, jit_compile=False, rows=ROWS, epochs=2,
-         seed=1, init=None):
+         seed=1, init=None, shuffle=False):
     """Train; one process when mesh is None. seed="rank": 1000 + rank."""
     make, rules = MODELS[case]
     x, y = _data(case, rows)
@@ -188,7 +188,9 @@ def _run(case, mesh=None, auto_shard=True, jit_compile=False, rows=ROWS, epochs=
         optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile
     )
     before = _weights(model)
-    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    history = model.fit(
+        x, y, batch_size=batch, epochs=epochs, shuffle=shuffle, verbose=0
+    )
     probe = [layer for layer in model.layers if isinstance(layer, MaskProbe)]
     return dict(
         init=before,
@@ -318,14 +320,20 @@ def _replicated_paths(results):
     return [p for p in first if not np.array_equal(first[p], second[p])]
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "jit"])
-def test_rank_dependent_seeds_data_parallel(pool2, jit_compile):
-    reference = _reference("seeds", seed=1000)
-    results = pool2.run(_run, "seeds", "dp", True, jit_compile, seed="rank", timeout=600)
+@pytest.mark.parametrize(
+    "jit_compile,shuffle", [(False, False), (True, False), (False, True)],
+    ids=["eager", "jit", "shuffle"],
+)
+def test_rank_dependent_seeds_data_parallel(pool2, jit_compile, shuffle):
+    reference = _reference("seeds", seed=1000, shuffle=shuffle)
+    results = pool2.run(
+        _run, "seeds", "dp", True, jit_compile, seed="rank", shuffle=shuffle, timeout=600
+    )
     assert _replicated_paths(results), "the ranks' seeds gave equal variables"
     # Rank 0's values are one process's with seed 1000; after the broadcast
     # (GaussianNoise's SeedGenerator state included) every rank trains as
-    # that process does.
+    # that process does. With shuffle=True every rank takes its rows of
+    # rank 0's permutation (torch's generator, which Keras shuffles with).
     for path, value in reference["init"].items():
         np.testing.assert_array_equal(results[0]["init"][path], value)
     for rank, result in enumerate(results):
