@@ -90,6 +90,16 @@ def _cnn():
     return keras.Model(inputs, outputs, name="cnn")
 
 
+def _masked_bn():
+    """BatchNormalization with a mask (Keras' two-pass masked moments)."""
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(10, 8, mask_zero=True, name="embed")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(4, name="down")(h)
+    return keras.Model(inputs, outputs, name="masked")
+
+
 def _seeds_model():
     """Replicated variables with random initial values and an unseeded
     GaussianNoise (its SeedGenerator's state comes from the rank's seed)."""
@@ -107,6 +117,7 @@ MODELS = {
     "dropout_seeded": (lambda: _dropout_model("seeded"), MLP_RULES),
     "dropout_both": (lambda: _dropout_model("both"), MLP_RULES),
     "cnn": (_cnn, CNN_RULES),
+    "masked_bn": (_masked_bn, {}),
     "seeds": (_seeds_model, MLP_RULES),
 }
 
@@ -116,6 +127,9 @@ def _data(case, rows):
     if case == "cnn":
         x = rng.normal(size=(rows, 6, 6, 3)).astype("float32")
         y = rng.normal(size=(rows, 3)).astype("float32")
+    elif case == "masked_bn":
+        x = rng.integers(0, 10, size=(rows, 5)).astype("int32")  # 0: masked
+        y = rng.normal(size=(rows, 4)).astype("float32")
     else:
         x = rng.normal(size=(rows, 8)).astype("float32")
         y = rng.normal(size=(rows, 4)).astype("float32")
@@ -233,6 +247,56 @@ def _assert_masks(results, reference, replicas):
 
 
 # ---------------------------------------------------------------------------
+# Stream and slice in one process: a replica's rows of one draw, chunked
+# ---------------------------------------------------------------------------
+
+WINDOW = (40, 16, 8)  # global rows, this replica's first row, its rows
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """A fed batch's window, and draws made in several chunks."""
+    import keras_torch_distribution  # noqa: F401
+    from keras_torch_distribution import data
+    from keras_torch_distribution import sharded_init
+
+    monkeypatch.setattr(sharded_init, "CHUNK_DRAWS", 40)  # 5 chunks of 8 rows
+    monkeypatch.setattr(data, "_batch_rows", [None])
+    return lambda window: monkeypatch.setattr(data, "_batch_rows", [window])
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+def test_dropout_rows_of_one_draw_in_chunks(small_chunks, seeded):
+    x = torch.randn(40, 4) + 10.0
+    keras.utils.set_random_seed(3)
+    seed = (lambda: keras.random.SeedGenerator(5)) if seeded else (lambda: None)
+    state = torch.get_rng_state()
+    whole = keras.random.dropout(x, 0.4, seed=seed())
+    after = torch.get_rng_state()
+    torch.set_rng_state(state)
+    small_chunks(WINDOW)
+    rows = keras.random.dropout(x[16:24], 0.4, seed=seed())
+    assert torch.equal(rows, whole[16:24])
+    # Unseeded: torch's generator ends where one process's does.
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+@pytest.mark.parametrize("kind", ["normal", "uniform", "truncated_normal", "randint"])
+def test_keras_random_rows_of_one_draw_in_chunks(small_chunks, kind):
+    def draw(rows):
+        generator = keras.random.SeedGenerator(7)
+        if kind == "randint":
+            return keras.random.randint((rows, 4), 0, 100, seed=generator)
+        return getattr(keras.random, kind)((rows, 4), seed=generator)
+
+    whole = draw(40)
+    small_chunks(WINDOW)
+    assert torch.equal(draw(8), whole[16:24])
+    # Not a batch-shaped draw (dim 0 is not the replica's rows): as given.
+    assert torch.equal(draw(40), whole)
+
+
+# ---------------------------------------------------------------------------
 # Dropout
 # ---------------------------------------------------------------------------
 
@@ -296,6 +360,13 @@ def test_batchnorm_cnn_data_parallel(pool2, jit_compile):
     results = pool2.run(_run, "cnn", "dp", True, jit_compile, UNEVEN_ROWS, timeout=600)
     for rank, result in enumerate(results):
         # Moving mean and variance included (model.weights).
+        _assert_same_numbers(result, reference, f"rank {rank}")
+
+
+def test_masked_batchnorm_data_parallel(pool2):
+    reference = _reference("masked_bn", rows=UNEVEN_ROWS)
+    results = pool2.run(_run, "masked_bn", "dp", True, False, UNEVEN_ROWS)
+    for rank, result in enumerate(results):
         _assert_same_numbers(result, reference, f"rank {rank}")
 
 
