@@ -389,7 +389,9 @@ def _sharded_by(rules):
 
 
 
-@pytest.mark.parametrize("case", ["mlp", "batchnorm", "conv", "transformer", "attention"])
+@pytest.mark.parametrize(
+    "case", ["mlp", "batchnorm", "conv", "transformer", "attention", "dropout"]
+)
 def test_matches_one_process_on_2_ranks(pool2, case):
     reference = _reference(case)
     results = pool2.run(numbers, case, "1d")

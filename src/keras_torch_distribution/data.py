@@ -18,6 +18,8 @@ in replica order.
 """
 
 import keras
+import torch
+import torch.distributed
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import replicas
@@ -68,6 +70,8 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
             adapter, lambda batches: (_process_rows(b, group) for b in batches),
             num_batches=adapter.num_batches,
         )
+    if shuffle or _keras.is_torch_dataloader(x):
+        _same_torch_generator_everywhere()
     if _keras.is_torch_dataloader(x):
         return _wrap(
             adapter, lambda batches: _round_robin(batches, adapter, group),
@@ -83,6 +87,17 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
         adapter, lambda batches: (_replica_rows(b, group) for b in batches),
         num_batches=adapter.num_batches,
     )
+
+
+def _same_torch_generator_everywhere():
+    """Keras (and a DataLoader) shuffle with torch's global generator;
+    every process must draw the same permutation of the global batches
+    (processes seeded differently would each take their rows of another
+    one): rank 0's generator state goes to every process. Collective: call
+    on every rank."""
+    state = torch.get_rng_state()
+    torch.distributed.broadcast(state, src=0)
+    torch.set_rng_state(state)
 
 
 def _replica_rows(batch, group):

@@ -98,7 +98,14 @@ def _rows_of(draw, shape, box, dtype, device, to_end):
 def dropout(original, inputs, rate, noise_shape=None, seed=None):
     """Keras' torch `dropout`, with this replica's block of one process's
     mask (see the module docstring)."""
-    if rate in (0.0, 1.0) or not isinstance(inputs, torch.Tensor) or inputs.ndim == 0:
+    if (
+        rate in (0.0, 1.0)
+        or not isinstance(inputs, torch.Tensor)
+        or inputs.ndim == 0
+        # Neither fed rows nor a sharded activation (one process, direct
+        # calls): Keras' draw, and no graph break under torch.compile.
+        or (data.batch_rows() is None and not isinstance(inputs, DTensor))
+    ):
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
     mask = _dropout_mask(inputs, rate, noise_shape, seed)
     if mask is None:
@@ -180,6 +187,8 @@ def _dropout_mask(inputs, rate, noise_shape, seed):
 
 def normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
     """Keras' torch `normal`; this replica's rows of a batch-shaped draw."""
+    if data.batch_rows() is None:
+        return original(shape, mean=mean, stddev=stddev, dtype=dtype, seed=seed)
     block = _seeded_rows(
         shape,
         dtype or keras.config.floatx(),
@@ -193,6 +202,8 @@ def normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
 
 def uniform(original, shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
     """Keras' torch `uniform`; this replica's rows of a batch-shaped draw."""
+    if data.batch_rows() is None:
+        return original(shape, minval=minval, maxval=maxval, dtype=dtype, seed=seed)
     block = _seeded_rows(
         shape,
         dtype or keras.config.floatx(),
@@ -206,6 +217,8 @@ def uniform(original, shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
 
 def randint(original, shape, minval, maxval, dtype="int32", seed=None):
     """Keras' torch `randint`; this replica's rows of a batch-shaped draw."""
+    if data.batch_rows() is None:
+        return original(shape, minval, maxval, dtype=dtype, seed=seed)
     block = _seeded_rows(
         shape,
         dtype,

@@ -90,6 +90,16 @@ def _cnn():
     return keras.Model(inputs, outputs, name="cnn")
 
 
+def _masked_bn():
+    """BatchNormalization with a mask (Keras' two-pass masked moments)."""
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(10, 8, mask_zero=True, name="embed")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(4, name="down")(h)
+    return keras.Model(inputs, outputs, name="masked")
+
+
 def _seeds_model():
     """Replicated variables with random initial values and an unseeded
     GaussianNoise (its SeedGenerator's state comes from the rank's seed)."""
@@ -107,6 +117,7 @@ MODELS = {
     "dropout_seeded": (lambda: _dropout_model("seeded"), MLP_RULES),
     "dropout_both": (lambda: _dropout_model("both"), MLP_RULES),
     "cnn": (_cnn, CNN_RULES),
+    "masked_bn": (_masked_bn, {}),
     "seeds": (_seeds_model, MLP_RULES),
 }
 
@@ -116,6 +127,9 @@ def _data(case, rows):
     if case == "cnn":
         x = rng.normal(size=(rows, 6, 6, 3)).astype("float32")
         y = rng.normal(size=(rows, 3)).astype("float32")
+    elif case == "masked_bn":
+        x = rng.integers(0, 10, size=(rows, 5)).astype("int32")  # 0: masked
+        y = rng.normal(size=(rows, 4)).astype("float32")
     else:
         x = rng.normal(size=(rows, 8)).astype("float32")
         y = rng.normal(size=(rows, 4)).astype("float32")
@@ -166,7 +180,7 @@ def _weights(model):
 
 
 def _run(case, mesh=None, auto_shard=True, jit_compile=False, rows=ROWS, epochs=2,
-         seed=1, init=None):
+         seed=1, init=None, shuffle=False):
     """Train; one process when mesh is None. seed="rank": 1000 + rank."""
     make, rules = MODELS[case]
     x, y = _data(case, rows)
@@ -188,7 +202,9 @@ def _run(case, mesh=None, auto_shard=True, jit_compile=False, rows=ROWS, epochs=
         optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile
     )
     before = _weights(model)
-    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    history = model.fit(
+        x, y, batch_size=batch, epochs=epochs, shuffle=shuffle, verbose=0
+    )
     probe = [layer for layer in model.layers if isinstance(layer, MaskProbe)]
     return dict(
         init=before,
@@ -228,6 +244,56 @@ def _assert_masks(results, reference, replicas):
     for step in range(steps):
         pieces = [r["masks"][step] for r in results[:: len(results) // replicas]]
         np.testing.assert_array_equal(np.concatenate(pieces), reference["masks"][step])
+
+
+# ---------------------------------------------------------------------------
+# Stream and slice in one process: a replica's rows of one draw, chunked
+# ---------------------------------------------------------------------------
+
+WINDOW = (40, 16, 8)  # global rows, this replica's first row, its rows
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """A fed batch's window, and draws made in several chunks."""
+    import keras_torch_distribution  # noqa: F401
+    from keras_torch_distribution import data
+    from keras_torch_distribution import sharded_init
+
+    monkeypatch.setattr(sharded_init, "CHUNK_DRAWS", 40)  # 5 chunks of 8 rows
+    monkeypatch.setattr(data, "_batch_rows", [None])
+    return lambda window: monkeypatch.setattr(data, "_batch_rows", [window])
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+def test_dropout_rows_of_one_draw_in_chunks(small_chunks, seeded):
+    x = torch.randn(40, 4) + 10.0
+    keras.utils.set_random_seed(3)
+    seed = (lambda: keras.random.SeedGenerator(5)) if seeded else (lambda: None)
+    state = torch.get_rng_state()
+    whole = keras.random.dropout(x, 0.4, seed=seed())
+    after = torch.get_rng_state()
+    torch.set_rng_state(state)
+    small_chunks(WINDOW)
+    rows = keras.random.dropout(x[16:24], 0.4, seed=seed())
+    assert torch.equal(rows, whole[16:24])
+    # Unseeded: torch's generator ends where one process's does.
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+@pytest.mark.parametrize("kind", ["normal", "uniform", "truncated_normal", "randint"])
+def test_keras_random_rows_of_one_draw_in_chunks(small_chunks, kind):
+    def draw(rows):
+        generator = keras.random.SeedGenerator(7)
+        if kind == "randint":
+            return keras.random.randint((rows, 4), 0, 100, seed=generator)
+        return getattr(keras.random, kind)((rows, 4), seed=generator)
+
+    whole = draw(40)
+    small_chunks(WINDOW)
+    assert torch.equal(draw(8), whole[16:24])
+    # Not a batch-shaped draw (dim 0 is not the replica's rows): as given.
+    assert torch.equal(draw(40), whole)
 
 
 # ---------------------------------------------------------------------------
@@ -297,6 +363,13 @@ def test_batchnorm_cnn_data_parallel(pool2, jit_compile):
         _assert_same_numbers(result, reference, f"rank {rank}")
 
 
+def test_masked_batchnorm_data_parallel(pool2):
+    reference = _reference("masked_bn", rows=UNEVEN_ROWS)
+    results = pool2.run(_run, "masked_bn", "dp", True, False, UNEVEN_ROWS)
+    for rank, result in enumerate(results):
+        _assert_same_numbers(result, reference, f"rank {rank}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "jit"])
 def test_batchnorm_cnn_on_2x2_mesh(pool4, jit_compile):
@@ -318,14 +391,20 @@ def _replicated_paths(results):
     return [p for p in first if not np.array_equal(first[p], second[p])]
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "jit"])
-def test_rank_dependent_seeds_data_parallel(pool2, jit_compile):
-    reference = _reference("seeds", seed=1000)
-    results = pool2.run(_run, "seeds", "dp", True, jit_compile, seed="rank", timeout=600)
+@pytest.mark.parametrize(
+    "jit_compile,shuffle", [(False, False), (True, False), (False, True)],
+    ids=["eager", "jit", "shuffle"],
+)
+def test_rank_dependent_seeds_data_parallel(pool2, jit_compile, shuffle):
+    reference = _reference("seeds", seed=1000, shuffle=shuffle)
+    results = pool2.run(
+        _run, "seeds", "dp", True, jit_compile, seed="rank", shuffle=shuffle, timeout=600
+    )
     assert _replicated_paths(results), "the ranks' seeds gave equal variables"
     # Rank 0's values are one process's with seed 1000; after the broadcast
     # (GaussianNoise's SeedGenerator state included) every rank trains as
-    # that process does.
+    # that process does. With shuffle=True every rank takes its rows of
+    # rank 0's permutation (torch's generator, which Keras shuffles with).
     for path, value in reference["init"].items():
         np.testing.assert_array_equal(results[0]["init"][path], value)
     for rank, result in enumerate(results):
