@@ -50,9 +50,9 @@ def _keras_own(*names):
     """Within the block, Keras' own functions replace this package's
     patches named `names` (e.g. "random.dropout"): the variant without
     the feature being measured."""
-    from keras_torch_distribution import _keras
+    from keras_torch_distribution import _install
 
-    patches = [p for p in _keras._installed if p.describe().endswith(names)]
+    patches = [p for p in _install._installed if p.describe().endswith(names)]
     if len(patches) != len(names):
         raise RuntimeError(f"patches {names} not found")
     bound = [getattr(p.owner, p.name) for p in patches]
