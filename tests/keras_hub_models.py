@@ -24,6 +24,27 @@ FAMILIES = {
         # config, replicated by the package (see layouts.for_variable).
         dict(_ATTENTION, num_key_value_heads=1, head_dim=4),
     ),
+    # Gemma 2: GemmaBackbone with soft caps, extra norms, sliding windows.
+    "gemma2": (
+        "GemmaBackbone",
+        "GemmaCausalLM",
+        dict(
+            _ATTENTION,
+            head_dim=4,
+            query_head_dim_normalize=False,
+            use_post_ffw_norm=True,
+            use_post_attention_norm=True,
+            final_logit_soft_cap=30.0,
+            attention_logit_soft_cap=50.0,
+            use_sliding_window_attention=True,
+            sliding_window_size=4,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3Backbone",
+        "Gemma3CausalLM",
+        dict(_ATTENTION, head_dim=4, image_size=16, vision_encoder=None),
+    ),
     "llama": ("LlamaBackbone", "LlamaCausalLM", _ATTENTION),
     "llama3": ("Llama3Backbone", "Llama3CausalLM", _ATTENTION),
     "qwen": ("QwenBackbone", "QwenCausalLM", _ATTENTION),
