@@ -21,10 +21,17 @@ in two), OMP_NUM_THREADS=1 per process:
 Each case also times `replica_start.equalize(model)`, the one-time broadcast
 that makes every copy of the model's variables equal before its first step.
 
-Timing: per-step time of `fit` (the train function between Keras'
+Per-step cost, measured two ways: (1) paired and interleaved, one such
+layer's forward + backward on the replica's rows (128 x 1024 for dropout,
+32 x 32 x 32 x 32 for BatchNormalization) with the feature and with Keras'
+own function, 40 times each, alternating; 3 x the median difference is the
+cost per step (robust to a loaded machine); (2) whole `fit` steps.
+
+Timing of steps: per-step time of `fit` (the train function between Keras'
 on_train_batch_begin and on_train_batch_end, so the data window that fit
 sets is in place), `warmup` untimed steps then the median of `steps`; the
-two variants alternate `repeats` times in the same processes; the slower
+two variants alternate `repeats` times in the same processes (which goes
+first alternates too); the slower
 rank's median per round, then the median over rounds. Results in
 benchmarks/results/one_device_numbers.json.
 """
@@ -87,6 +94,59 @@ def _cnn(keras):
     return keras.Model(inputs, keras.layers.Dense(10)(h))
 
 
+def _layer_cost(case, patch, rank, iterations=40):
+    """One layer's forward + backward on this replica's rows, with the
+    feature and with Keras' own function, alternating, so that the load of
+    the machine weighs on both alike: medians of each and of the paired
+    differences (ms)."""
+    import keras
+    import torch
+    import torch.distributed as dist
+
+    from keras_torch_distribution import replicas
+
+    torch.manual_seed(rank)
+    if case == "batchnorm":
+        rows = CNN_BATCH // 2
+        x = torch.randn(rows, 32, 32, 32, requires_grad=True)
+        layer = keras.layers.BatchNormalization()
+        layer.build(x.shape)
+
+        def op():
+            return layer(x, training=True)
+    else:
+        rows = MLP_BATCH // 2
+        x = torch.randn(rows, WIDTH, requires_grad=True)
+        seed = keras.random.SeedGenerator(1) if case == "dropout_seeded" else None
+
+        def op():
+            return keras.random.dropout(x, 0.1, seed=seed)
+
+    # The window fit sets for this replica's rows of the global batch.
+    replicas.batch_weight.set(1.0, (2 * rows, rank * rows, rows))
+
+    def timed():
+        dist.barrier()
+        start = time.perf_counter()
+        op().sum().backward()
+        return time.perf_counter() - start
+
+    with_feature, without = [], []
+    try:
+        for _ in range(iterations):
+            with_feature.append(timed())
+            with _keras_own(patch):
+                without.append(timed())
+    finally:
+        replicas.batch_weight.forget()
+    pairs = [1e3 * (a - b) for a, b in zip(with_feature, without)]
+    return {
+        "layer_ms": 1e3 * statistics.median(with_feature),
+        "layer_without_ms": 1e3 * statistics.median(without),
+        "layer_cost_ms": statistics.median(pairs),
+    }
+
+
 def _worker(case):
     import keras
     import numpy as np
@@ -138,12 +198,17 @@ def _worker(case):
         return model, timer.times[warmup:]
 
     result = {"rank": rank, "feature_ms": [], "without_ms": [], "broadcast_ms": []}
-    for _ in range(repeats):
-        model, times = one_fit()
-        result["feature_ms"].append(1e3 * statistics.median(times))
-        with _keras_own(patch):
-            _, times = one_fit()
-        result["without_ms"].append(1e3 * statistics.median(times))
+    result.update(_layer_cost(case, patch, rank))
+    for round_ in range(repeats):
+        # Alternate which variant goes first: a round's first fit may pay
+        # for what the second reuses.
+        for variant in ("feature", "without")[:: 1 if round_ % 2 == 0 else -1]:
+            if variant == "feature":
+                model, times = one_fit()
+            else:
+                with _keras_own(patch):
+                    _, times = one_fit()
+            result[f"{variant}_ms"].append(1e3 * statistics.median(times))
         for _ in range(3):
             dist.barrier()
             start = time.perf_counter()
@@ -163,7 +228,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
     env = {
         "BENCH_STEPS": str(args.steps),
@@ -181,11 +246,18 @@ def main():
             max(r["without_ms"][i] for r in ranks) for i in range(rounds)
         )
         broadcast = statistics.median(max(r["broadcast_ms"]) for r in ranks)
+        layer_cost = max(r["layer_cost_ms"] for r in ranks)
         cases[case] = {
             "step_ms": round(feature, 3),
             "step_without_ms": round(without, 3),
             "per_step_cost_ms": round(feature - without, 3),
             "step_ratio": round(feature / without, 4),
+            # Paired, interleaved measurement of one layer (see _layer_cost),
+            # times the model's 3 such layers: the per-step cost.
+            "layer_ms": round(max(r["layer_ms"] for r in ranks), 3),
+            "layer_without_ms": round(max(r["layer_without_ms"] for r in ranks), 3),
+            "per_step_cost_from_layers_ms": round(3 * layer_cost, 3),
+            "per_step_cost_from_layers_ratio": round(1 + 3 * layer_cost / without, 4),
             "broadcast_once_ms": round(broadcast, 3),
             "broadcast_over_step": round(broadcast / feature, 4),
             "parameters": ranks[0]["parameters"],
@@ -195,7 +267,9 @@ def main():
                        for r in ranks},
         }
         print(f"{case}: step {feature:.2f} ms vs {without:.2f} ms without "
-              f"({feature / without:.3f}x), broadcast once {broadcast:.2f} ms", flush=True)
+              f"({feature / without:.3f}x); 3 layers cost {3 * layer_cost:.2f} ms "
+              f"per step ({1 + 3 * layer_cost / without:.3f}x); broadcast once "
+              f"{broadcast:.2f} ms", flush=True)
     payload = {
         "benchmark": "one_device_numbers",
         "machine": dict(_launch.machine(), keras=ranks[0]["keras"]),

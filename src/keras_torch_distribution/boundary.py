@@ -2,7 +2,8 @@
 
 Once sharded variables exist, a layer's partial-sum outputs are reduced at
 its boundary (so a value every consumer reads, e.g. a vocabulary-sharded
-embedding lookup feeding two norms, is reduced once), and an outermost call
+embedding lookup feeding two norms, is reduced once) and replicated ones
+become plain (`tensors.settle`), and an outermost call
 returns plain tensors (the model replica's whole outputs), so losses,
 metrics and user code never meet DTensors. An outermost call takes DTensor
 inputs as their whole values. While a compiled step runs
@@ -63,7 +64,7 @@ def convert_outputs(original, layer, outermost, *args, **kwargs):
     except RuntimeError as error:
         _explain_uneven(layer, error)
         raise
-    convert = plain if outermost else tensors.reduce_partial
+    convert = plain if outermost else tensors.settle
     return keras.tree.map_structure(convert, outputs)
 
 

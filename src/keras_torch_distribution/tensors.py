@@ -155,29 +155,46 @@ def scatter_update(original, inputs, indices, updates, reduction=None):
     return original(inputs, indices, updates, reduction=reduction)
 
 
-def reduce_partial(value):
-    """A DTensor with its partial sums reduced (other placements kept).
-
-    Differentiable: the gradient flows back replicated on the reduced mesh
-    axes, with its local block laid out as the gradient says (see
-    `_ReducePartial`). Collective for DTensors with a Partial placement:
-    call on every rank.
+def settle(value):
+    """A layer's output as the next layer takes it: partial sums reduced,
+    and a value replicated on every mesh axis as a plain tensor (the value
+    implicit replication reads a plain tensor as). Fewer DTensor ops, and
+    the plain values computed beside it (masks and their (1,)-shaped sums,
+    as keras_hub's MoE load-balancing loss computes) meet plain tensors,
+    not DTensors, so DTensor does not warn "Found a non-scalar tensor with
+    numel=1". Differentiable (see `_Settle`). Collective for DTensors with
+    a Partial placement: call on every rank.
     """
     if not isinstance(value, DTensor):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            _repair_gradients(value)
         return value
-    if any(isinstance(p, Partial) for p in value.placements):
-        return _ReducePartial.apply(value)
-    if value.requires_grad and not torch.compiler.is_compiling():
-        value.register_hook(_locally_contiguous)
+    partial = any(isinstance(p, Partial) for p in value.placements)
+    replicated = all(isinstance(p, (Partial, Replicate)) for p in value.placements)
+    if partial or replicated:
+        return _Settle.apply(value)
+    if value.requires_grad:
+        _repair_gradients(value)
     return value
 
 
-class _ReducePartial(torch.autograd.Function):
-    """Partial -> Replicate forward; the gradient comes back Replicate there.
+def _repair_gradients(value):
+    """Give the gradients that reach `value` a sound local block (see
+    `_Settle`)."""
+    if not torch.compiler.is_compiling():
+        value.register_hook(_locally_contiguous)
+
+
+class _Settle(torch.autograd.Function):
+    """Partial -> Replicate forward, and a replicated result as its plain
+    local tensor; the gradient comes back Replicate on the reduced axes.
 
     DTensor's own `redistribute` would send the gradient back to the source
     placement, which fails for the masked partial sums of a vocabulary-sharded
-    embedding lookup (Partial(sum) -> MaskPartial is unsupported).
+    embedding lookup (Partial(sum) -> MaskPartial is unsupported). A plain
+    result is a fresh tensor (the reduction's, or a copy: later in-place ops
+    on it must not reach a DTensor that autograd saved, and torch's
+    `to_local()` view forbids them).
 
     The backward also gives the gradient a local block laid out as the
     gradient's own strides say. torch 2.13's DTensor can produce gradients
@@ -186,21 +203,33 @@ class _ReducePartial(torch.autograd.Function):
     as in keras_hub's rotary embeddings under a heads-sharded layout); the
     next `view` in a layer (every EinsumDense reshapes) then fails with
     "view size is not compatible with input tensor's size and stride".
-    Layer outputs pass through here (outputs with no partial sums get the
-    same repair as a gradient hook), so gradients enter each layer sound.
+    Layer outputs pass through here (sharded ones get the same repair as a
+    gradient hook), so gradients enter each layer sound.
     """
 
     @staticmethod
     def forward(ctx, value):
+        mesh = value.device_mesh
+        ctx.mesh = mesh
         ctx.partial_axes = [isinstance(p, Partial) for p in value.placements]
         placements = [
             Replicate() if partial else p
             for p, partial in zip(value.placements, ctx.partial_axes)
         ]
-        return value.redistribute(value.device_mesh, placements)
+        reduced = value
+        if any(ctx.partial_axes):
+            reduced = value.redistribute(mesh, placements)
+        if not all(isinstance(p, Replicate) for p in placements):
+            return reduced
+        local = reduced.to_local()
+        return local if reduced is not value else local.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return DTensor.from_local(
+                grad, ctx.mesh, [Replicate()] * ctx.mesh.ndim, run_check=False
+            )
         placements = [
             Replicate() if partial else p
             for p, partial in zip(grad.placements, ctx.partial_axes)
@@ -212,7 +241,9 @@ class _ReducePartial(torch.autograd.Function):
 
 def _locally_contiguous(value):
     """`value` with a contiguous local block when the DTensor says it is
-    contiguous (see `_ReducePartial`)."""
+    contiguous (see `_Settle`); plain tensors as they are."""
+    if not isinstance(value, DTensor):
+        return value
     local = value.to_local()
     if not value.is_contiguous() or local.is_contiguous():
         return value
