@@ -74,7 +74,7 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
         _same_torch_generator_everywhere()
     if _keras.is_torch_dataloader(x):
         return _wrap(
-            adapter, lambda batches: _round_robin(batches, adapter, group),
+            adapter, lambda batches: _round_robin(iter(batches), adapter, group),
             num_batches=_round_robin_count(adapter, group),
         )
     if batch_size is not None and batch_size % group.count:
@@ -161,16 +161,23 @@ def _as_given(adapter):
     """The adapter's batches as they are (one replica: each is the whole
     global batch), each weighing an even share."""
 
-    def even(batches):
-        for batch in batches:
-            replicas.batch_weight.forget()
-            yield batch
+    def even(batch):
+        replicas.batch_weight.forget()
+        return batch
 
-    return _wrap(adapter, even, num_batches=adapter.num_batches)
+    return _wrap(
+        adapter, lambda batches: (even(b) for b in batches),
+        num_batches=adapter.num_batches,
+    )
 
 
 class _WrappedDataAdapter(_keras.DataAdapter):
-    """A Keras data adapter whose batches pass through `transform`."""
+    """A Keras data adapter whose batches pass through `transform`.
+
+    A transform calls `iter()` on the adapter's batches at once (a generator
+    expression does), as Keras does: a DataLoader draws its iterator's seed
+    from torch's global generator then, and unseeded dropout needs torch's
+    stream exactly where one process has it."""
 
     def __init__(self, inner, transform, num_batches):
         self._inner = inner
