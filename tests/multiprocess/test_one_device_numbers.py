@@ -313,23 +313,7 @@ def test_dropout_masks_are_rows_of_one_process_masks(pool2, case, mesh, auto_sha
         _assert_same_numbers(result, reference, f"rank {rank}")
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(
-            "dropout",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known gap (issue 12, open): after variables drop mesh "
-                "axes of size 1, unseeded dropout of a column-sharded "
-                "activation on a (1, 2) mesh draws other columns than one "
-                "process",
-            ),
-        ),
-        "dropout_seeded",
-    ],
-    ids=["unseeded", "seeded"],
-)
+@pytest.mark.parametrize("case", ["dropout", "dropout_seeded"], ids=["unseeded", "seeded"])
 def test_dropout_of_column_sharded_activation(pool2, case):
     # A batch axis of 1: both processes see every row; the activation after
     # "up" is a DTensor sharded on its columns, and each keeps its columns
