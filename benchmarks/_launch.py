@@ -134,17 +134,20 @@ def torch_step(model, optimizer, x, y):
     return step
 
 
-def megatron_mlp_layout_map(keras, mesh, layers):
-    """The Keras LayoutMap of the benchmarks' Dense MLP on a ("model",)
-    mesh: dense_0, dense_2, ... column-parallel (kernel and bias sharded on
-    outputs), dense_1, dense_3, ... row-parallel (kernel on inputs)."""
+def megatron_mlp_layout_map(keras, mesh, layers, other=None):
+    """The Keras LayoutMap of the benchmarks' Dense MLP over the mesh's
+    "model" axis: dense_0, dense_2, ... column-parallel (kernel and bias
+    sharded on outputs), dense_1, dense_3, ... row-parallel (kernel on
+    inputs). `other` names the axis of each kernel's other dim (None:
+    replicated; the batch axis: FSDP composed with the tensor parallelism,
+    column kernels (other, "model"), row kernels ("model", other))."""
     layout_map = keras.distribution.LayoutMap(mesh)
     for i in range(layers):
         if i % 2 == 0:
-            layout_map[f"dense_{i}/kernel"] = (None, "model")
+            layout_map[f"dense_{i}/kernel"] = (other, "model")
             layout_map[f"dense_{i}/bias"] = ("model",)
         else:
-            layout_map[f"dense_{i}/kernel"] = ("model", None)
+            layout_map[f"dense_{i}/kernel"] = ("model", other)
     return layout_map
 
 

@@ -6,8 +6,10 @@ and against raw PyTorch (DDP, parallelize_module tensor parallelism).
 Every case runs in fresh processes (torchrun, gloo, CPU, OMP_NUM_THREADS=1):
   keras_{dp,mp}_{mlp,block}_{eager,compiled}
       Keras on 2 processes, `DataParallel` (each rank its 128 of 256 rows)
-      or `ModelParallel` on a ("model",) mesh of 2 (the whole batch on every
-      rank, Megatron layouts); `compile(jit_compile=...)`.
+      or `ModelParallel(batch_dim_name="batch")` on a (1, 2)
+      ("batch", "model") mesh (a batch axis of size 1: pure tensor
+      parallelism, the whole batch on every rank, Megatron layouts on
+      "model"); `compile(jit_compile=...)`.
   torch_{ddp,tp}_{mlp,block}_{eager,compiled}
       raw torch on 2 processes: DistributedDataParallel / parallelize_module
       (Colwise/Rowwise on the nn.Linear layers: the block's q/k/v and MLP-up
@@ -124,9 +126,13 @@ def _keras_worker(mode, model_kind, compiled, steps, warmup):
         if mode == "dp":
             keras.distribution.set_distribution(keras.distribution.DataParallel())
         else:
-            mesh = keras.distribution.DeviceMesh((world,), ["model"], devices)
+            # The batch axis is always data: of size 1, it leaves the
+            # "model" layouts pure tensor parallelism (on a 1-D ("model",)
+            # mesh they would be FSDP, see fsdp.py).
+            mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"], devices)
             keras.distribution.set_distribution(keras.distribution.ModelParallel(
-                layout_map=_keras_layout_map(keras, mesh, model_kind)))
+                layout_map=_keras_layout_map(keras, mesh, model_kind),
+                batch_dim_name="batch"))
     keras.utils.set_random_seed(0)
     model = _keras_mlp(keras) if model_kind == "mlp" else _keras_block(keras)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse",

@@ -3,17 +3,22 @@
     python benchmarks/model_parallel.py [--steps 30] [--warmup 5]
 
 Model: 1024 inputs -> 4 Dense/Linear layers of 1024 units (ReLU between,
-linear output), MSE loss, Adam(1e-3), float32, on a 1-D ("model",) mesh of 2
+linear output), MSE loss, Adam(1e-3), float32, tensor parallel over 2
 processes. Layers 0 and 2 are column-sharded, 1 and 3 row-sharded (Megatron
 style: one all-reduce per column/row pair in the forward pass):
-  keras_mp  -- LayoutMap: dense_{0,2}/kernel (None, "model"),
-               dense_{0,2}/bias ("model",), dense_{1,3}/kernel ("model", None),
-               dense_{1,3}/bias replicated; keras.distribution.ModelParallel.
+  keras_mp  -- keras.distribution.ModelParallel(batch_dim_name="batch") on a
+               (1, 2) ("batch", "model") mesh with the LayoutMap
+               dense_{0,2}/kernel (None, "model"), dense_{0,2}/bias
+               ("model",), dense_{1,3}/kernel ("model", None),
+               dense_{1,3}/bias replicated. The batch axis is always data;
+               of size 1 it leaves pure tensor parallelism. (On a 1-D
+               ("model",) mesh the batch axis would be "model" itself, and
+               these kernels FSDP: see fsdp.py.)
   torch_tp  -- torch.distributed.tensor.parallel.parallelize_module on an
                nn.Sequential of nn.Linear with ColwiseParallel (0, 2) and
-               RowwiseParallel (1, 3), torch.optim.Adam.
-The same global batch of 256 rows is fed to every rank (a 1-D model mesh has
-one data replica).
+               RowwiseParallel (1, 3) over a ("model",) mesh of 2,
+               torch.optim.Adam.
+The same global batch of 256 rows is fed to every rank (one data replica).
 
 Timing: Keras' per-step train function on a prebuilt batch
 (model.make_train_function(); model.train_function([(x, y)])); torch:
@@ -64,10 +69,14 @@ def _keras_worker(steps, warmup):
     keras.distribution.initialize()
     rank = dist.get_rank()
     devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+    # A batch axis of size 1: every rank computes on the whole batch, and
+    # no variable is sharded on the batch axis (pure tensor parallelism).
+    mesh = keras.distribution.DeviceMesh(
+        (1, len(devices)), ["batch", "model"], devices
+    )
     layout_map = _launch.megatron_mlp_layout_map(keras, mesh, LAYERS)
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map)
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     )
     keras.utils.set_random_seed(0)
     inputs = keras.Input(shape=(WIDTH,))
@@ -89,6 +98,7 @@ def _keras_worker(steps, warmup):
         return function(batch)
 
     times = _launch.time_steps(step, warmup, steps, dist.barrier)
+    model.reset_metrics()  # the next loss is that step's, not a running mean
     logs = function(batch)
     param_bytes = sum(_local_bytes(v.value) for v in model.trainable_variables)
     state_bytes = sum(_local_bytes(v.value) for v in model.optimizer.variables)
@@ -104,6 +114,10 @@ def _keras_worker(steps, warmup):
             int(v.value.numel()) * 4 for v in model.trainable_variables
         ),
         optimizer_variable_types=sharded,
+        variable_placements={
+            v.path: [str(p) for p in getattr(v.value, "placements", ())]
+            for v in model.trainable_variables
+        },
         final_loss=float(keras.ops.convert_to_numpy(logs["loss"])),
     )
     _launch.write_rank_result(result)
@@ -203,7 +217,9 @@ def main():
         "benchmark": "model_parallel",
         "machine": dict(_launch.machine(), keras=runs["keras_mp"][0]["keras"]),
         "model": {"layers": LAYERS, "width": WIDTH, "batch_on_every_rank": GLOBAL_BATCH,
-                  "optimizer": "Adam", "loss": "mse", "mesh": "(2,) ['model']"},
+                  "optimizer": "Adam", "loss": "mse",
+                  "mesh": "keras: (1, 2) ['batch', 'model'], batch axis 'batch'; "
+                          "torch: (2,) ['model']"},
         "timing": "Keras: model.train_function([(x, y)]) on a prebuilt batch; "
                   "torch: zero_grad/forward/backward/step. Median of timed steps "
                   "after warm-up, slower rank.",

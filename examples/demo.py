@@ -48,7 +48,11 @@ model = make_model()
 history = model.fit(x, y, batch_size=128, epochs=3, verbose=0)
 say("DataParallel loss per epoch:", [round(v, 4) for v in history.history["loss"]])
 
-# ModelParallel: "up" is sharded on its columns, "down" on its rows.
+# ModelParallel: "up" is stored sharded on its columns, "down" on its rows.
+# On a 1-D mesh the one axis is also the batch axis (as on JAX): each process
+# still computes on its half of every batch, and the sharded kernels are
+# gathered for use (FSDP). A ("batch", "model") mesh of shape (1, N) gives
+# pure tensor parallelism instead; the losses are the same either way.
 mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
 layout_map = keras.distribution.LayoutMap(mesh)
 layout_map[".*up/kernel"] = (None, "model")

@@ -1,6 +1,6 @@
 """Fine-tune a keras_hub causal LM with LoRA on a 2 x 2 mesh, then generate.
 
-    pip install --no-deps keras-hub==0.32.0 && pip install -e ".[hub]"
+    pip install -e ".[test]" && pip install --no-deps keras-hub==0.32.0
     ktd run -n 4 examples/lora_finetune.py [output_dir]
 
 The mesh has a "batch" axis (2 data-parallel replicas) and a "model" axis

@@ -27,7 +27,10 @@ VOCAB, SEQ, DIM, HEADS, HIDDEN, BLOCKS = 64, 16, 32, 4, 64, 2
 
 keras.distribution.initialize()
 devices = keras.distribution.list_devices()
-mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+# A batch axis of size 1: every process computes on the whole batch and the
+# "model" axis is pure tensor parallelism. (On a 1-D ("model",) mesh that axis
+# would also be the batch axis, as on JAX: FSDP, each process on its rows.)
+mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
 layout_map = keras.distribution.LayoutMap(mesh)
 layout_map[r".*token_embedding/embeddings"] = ("model", None)  # vocabulary
 layout_map[r".*attention/(query|key|value)/kernel"] = (None, "model", None)  # heads
@@ -36,7 +39,9 @@ layout_map[r".*attention/attention_output/kernel"] = ("model", None, None)
 layout_map[r".*mlp_up/kernel"] = (None, "model")  # column-parallel
 layout_map[r".*mlp_up/bias"] = ("model",)
 layout_map[r".*mlp_down/kernel"] = ("model", None)  # row-parallel
-keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+)
 
 
 def say(*args):

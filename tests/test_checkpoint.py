@@ -375,7 +375,7 @@ EPOCHS = 5
 KILL_AFTER_EPOCH = 2
 
 
-def _resume_fit(backup_dir, record, kill):
+def _resume_fit(backup_dir, record, kill, epochs=EPOCHS):
     import keras
 
     from keras_torch_distribution import runtime
@@ -395,7 +395,7 @@ def _resume_fit(backup_dir, record, kill):
 
     callbacks = [keras.callbacks.BackupAndRestore(backup_dir), Record()]
     model.fit(
-        x, y, batch_size=8, epochs=EPOCHS, shuffle=False, verbose=0,
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
         callbacks=callbacks,
     )
     values = _values(model)

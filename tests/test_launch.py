@@ -1,10 +1,13 @@
 """`ktd run` starts scripts on local processes: the README's demo, the
-examples, an unchanged Keras script, 2 simulated nodes, and failing ranks.
+examples, an unchanged Keras script, a script that never calls
+initialize(), 2 simulated nodes, and failing ranks; bad arguments and
+settings are refused before any rank starts.
 
 Every launch runs in its own session with a timeout; on timeout that
 session (the launcher and the ranks it started) is killed.
 """
 
+import json
 import os
 import re
 import signal
@@ -13,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from keras_torch_distribution import launch
@@ -122,10 +126,184 @@ def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
     (["-n"], r"option --nproc-per-node needs a value"),
     (["-m", "pkg.train"], r"torchrun's -m is not supported: `ktd run` runs a Python script"),
     (["--no-python", "echo"], r"torchrun's --no-python is not supported"),
+    (["-n", "0", "t.py"], r"^ktd run: -n 0 is not a number of processes per node: give a "
+                          r"whole number of at least 1, e.g. `ktd run -n 2 train.py` \(or "
+                          r"one of torchrun's auto, cpu, gpu, xpu\).$"),
+    (["-n", "-1", "t.py"], r"^ktd run: -n -1 is not a number of processes per node"),
+    (["--nproc-per-node=two", "t.py"], r"^ktd run: --nproc-per-node two is not a number"),
 ])
 def test_torchrun_arguments_errors(argv, message):
     with pytest.raises(SystemExit, match=message):
         launch.torchrun_arguments(argv)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`launch.run` must refuse before torchrun starts anything."""
+    from torch.distributed import run as torch_run
+
+    def must_not_start(arguments):
+        raise AssertionError(f"torchrun was started with {arguments}")
+
+    monkeypatch.setattr(torch_run, "main", must_not_start)
+    monkeypatch.setenv("KERAS_BACKEND", "torch")  # run() sets it when unset
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e30", "abc", "-5"])
+def test_bad_timeout_setting_is_refused_before_ranks_start(no_launch, monkeypatch, value):
+    monkeypatch.setenv("KTD_TIMEOUT_SECONDS", value)
+    with pytest.raises(SystemExit, match=(
+        rf"^ktd run: KTD_TIMEOUT_SECONDS='{value}' is not a positive number of seconds "
+        r"up to 604800 \(one week\).*Set it to a number in \(0, 604800\]")):
+        launch.run(["-n", "2", "train.py"])
+
+
+class _HeldPort:
+    """A port another program holds: a listening socket on 127.0.0.1."""
+
+    def __enter__(self):
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(1)
+        return self.socket.getsockname()[1]
+
+    def __exit__(self, *exc_info):
+        self.socket.close()
+
+
+def _port_in_use_message(port):
+    return (
+        rf"^ktd run: --master-port {port} is in use on this machine \(.+\), and "
+        r"this node \(node rank 0\) must host the rendezvous there. Give a free port "
+        r"with --master-port \(the same on every node\), stop the program that holds "
+        rf"it \(`ss -ltnp 'sport = :{port}'` names it\), or, on one machine, leave "
+        r"out --master-addr and --master-port: `ktd run` then picks a free port.$"
+    )
+
+
+def test_a_held_master_port_is_refused_before_ranks_start(no_launch):
+    with _HeldPort() as port:
+        for argv in (["--master-port", str(port), "-n", "2", "t.py"],
+                     ["--master-addr=127.0.0.1", f"--master_port={port}", "-n", "2", "t.py"]):
+            with pytest.raises(SystemExit, match=_port_in_use_message(port)):
+                launch.run(argv)
+
+
+def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
+    """The port is free when checked but taken before torchrun binds it."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed import run as torch_run
+
+    port = _free_port()
+
+    def taken(arguments):
+        raise DistNetworkError(
+            "The server socket has failed to listen on any local network address. "
+            f"port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+            "address already in use"
+        )
+
+    monkeypatch.setattr(torch_run, "main", taken)
+    with pytest.raises(SystemExit, match=_port_in_use_message(port)):
+        launch.run(["--master-port", str(port), "-n", "2", "t.py"])
+    # Other nodes host nothing: their torchrun runs unchecked.
+    seen = []
+    monkeypatch.setattr(torch_run, "main", seen.append)
+    with _HeldPort() as held:
+        launch.run(["--master-port", str(held), "--nnodes", "2", "--node-rank", "1",
+                    "-n", "1", "t.py"])
+    assert len(seen) == 1
+
+
+# --------------------------------------------------------------------------
+# The one-line failure summary
+# --------------------------------------------------------------------------
+
+_LOST_PEER = (
+    "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:16296: Connection reset by peer. This is typically caused by a "
+    "remote worker hanging or bugs in the application."
+)
+_KERAS_LAYER_ERROR = (
+    "ValueError: Exception encountered when calling Dense.call().\n\n"
+    "\x1b[1mInvalid dtype: foo\nmore detail\x1b[0m\n\n"
+    "Arguments received by Dense.call():\n  \u2022 inputs=tensor\n  \u2022 training=False"
+)
+
+
+def _failure(tmp_path, local_rank, exitcode, timestamp, message=None):
+    """torchrun's record of a failed rank; `message`: the exception the rank
+    recorded in its error file (None: it recorded none, e.g. killed)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = str(tmp_path / f"error_{local_rank}.json")
+    if message is not None:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": "Traceback ...", "timestamp": str(timestamp)}}}, f)
+    failure = ProcessFailure(local_rank=local_rank, pid=1000 + local_rank,
+                             exitcode=exitcode, error_file=error_file)
+    failure.timestamp = timestamp  # a rank without a file: when torchrun saw it
+    return failure
+
+
+def test_failure_summary_prefers_a_killed_rank_to_one_that_lost_it(tmp_path):
+    """Rank 1 was SIGKILLed; rank 0 then failed on the broken connection and
+    was stopped by torchrun. torchrun's own order (whole seconds, rank 0's
+    record earlier) blames rank 0."""
+    failures = {
+        0: _failure(tmp_path, 0, -signal.SIGTERM, 100, _LOST_PEER),
+        1: _failure(tmp_path, 1, -signal.SIGKILL, 101),
+    }
+    summary = launch.failure_summary(failures)
+    assert summary == (
+        "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit code -9). "
+        "It was killed from outside Python (the kernel's out-of-memory killer: see "
+        "`dmesg`; a scheduler's time or memory limit; or `kill`), so it left no "
+        "traceback. torchrun stopped the other processes."
+    )
+    # Alone, the rank that lost its peer is named, with what that means.
+    summary = launch.failure_summary({0: failures[0]})
+    assert summary.startswith(
+        "ktd run: rank 0 (local rank 0) failed first, exit code -15 (SIGTERM): "
+        "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:16296: Connection reset by peer. This is typically caused by a "
+        "remote worker hanging or bugs in the application. It lost its connection to "
+        "another rank"
+    ), summary
+
+
+def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
+    raised = _failure(tmp_path, 1, 1, 100, _KERAS_LAYER_ERROR)
+    # A rank torchrun stopped (SIGTERM, nothing recorded) in the same second
+    # as the one that raised is not blamed.
+    stopped = _failure(tmp_path, 0, -signal.SIGTERM, 100)
+    summary = launch.failure_summary({0: stopped, 1: raised})
+    # The exception's type and first line, and for a Keras layer error the
+    # error itself, not the last line (an argument of the call).
+    assert summary.startswith(
+        "ktd run: rank 1 (local rank 1) failed first, exit code 1: ValueError: "
+        "Exception encountered when calling Dense.call(). Invalid dtype: foo. torchrun "
+        "stopped the other processes; that rank's traceback is above."
+    ), summary
+    assert "training=False" not in summary
+    crashed = _failure(tmp_path, 2, -signal.SIGSEGV, 100)
+    assert launch.failure_summary({2: crashed}) == (
+        "ktd run: rank 2 (local rank 2) died first, by signal SIGSEGV (exit code -11). "
+        "That is a crash in native code, not a Python exception, so it left no Python "
+        "traceback; its last output above may say why. torchrun stopped the other "
+        "processes."
+    )
+    exited = _failure(tmp_path, 3, 3, 100)
+    assert launch.failure_summary({3: exited}).startswith(
+        "ktd run: rank 3 (local rank 3) failed first, exit code 3, without a Python "
+        "exception on record"
+    )
+    # Two ranks that both lost a peer: the earlier one.
+    late = _failure(tmp_path, 4, 1, 105, _LOST_PEER)
+    early = _failure(tmp_path, 5, 1, 104, _LOST_PEER)
+    assert launch.failure_summary({4: late, 5: early}).startswith("ktd run: rank 5 ")
 
 
 # --------------------------------------------------------------------------
@@ -181,19 +359,26 @@ def test_two_nodes_give_the_numbers_of_one_node():
 # --------------------------------------------------------------------------
 
 
+def _failed_launch(*args, timeout, **env):
+    """(last line of stderr, seconds taken, stderr) of a launch that must
+    fail before any rank finishes its script."""
+    start = time.monotonic()
+    result = _ktd_run(*args, timeout=timeout, **env)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "finished" not in result.stdout, result.stdout[-3000:]
+    return result.stderr.strip().splitlines()[-1], elapsed, result.stderr
+
+
 @pytest.mark.slow
 def test_a_rank_that_raises_mid_fit_ends_the_job():
-    start = time.monotonic()
-    result = _ktd_run("tests/scripts/rank_fails.py", "raise", timeout=90)
-    elapsed = time.monotonic() - start
+    summary, elapsed, stderr = _failed_launch("tests/scripts/rank_fails.py", "raise",
+                                              timeout=90)
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    assert result.returncode != 0
-    assert "finished training" not in result.stdout
-    summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith(
         "ktd run: rank 1 (local rank 1) failed first, exit code 1: RuntimeError: "
         "deliberate failure on rank 1 after epoch 1."
-    ), result.stderr[-3000:]
+    ), stderr[-3000:]
     assert "torchrun stopped the other processes" in summary
 
 
@@ -202,15 +387,68 @@ def test_a_rank_that_stops_answering_times_out():
     """Rank 1 sleeps instead of training: rank 0's gradient all-reduce gives
     up after KTD_TIMEOUT_SECONDS (the process group's timeout), and torchrun
     then stops rank 1."""
-    start = time.monotonic()
-    result = _ktd_run("tests/scripts/rank_fails.py", "stall", timeout=120,
-                      KTD_TIMEOUT_SECONDS="5")
-    elapsed = time.monotonic() - start
+    summary, elapsed, _ = _failed_launch("tests/scripts/rank_fails.py", "stall",
+                                         timeout=120, KTD_TIMEOUT_SECONDS="5")
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    assert result.returncode != 0
-    summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith("ktd run: rank 0 (local rank 0) failed first"), summary
     assert "Timed out waiting 5000ms" in summary, summary
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it():
+    """Rank 1 SIGKILLs itself; rank 0 then fails on the broken connection.
+    A monitor interval of 3 s lets torchrun see both failures, rank 0's
+    recorded first (in whole seconds), as happens by chance with the
+    default 0.1 s."""
+    summary, _, stderr = _failed_launch(
+        "--monitor-interval", "3", "tests/scripts/rank_killed.py", timeout=180)
+    assert summary.startswith(
+        "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit code -9). "
+        "It was killed from outside Python"
+    ), stderr[-3000:]
+    assert "traceback is above" not in summary
+
+
+# --------------------------------------------------------------------------
+# A script that never calls keras.distribution.initialize()
+# --------------------------------------------------------------------------
+
+_RESULT = re.compile(r"world=(\d) losses=(\[[^\]]*\]) weight_sums=(\[[^\]]*\])")
+
+
+@pytest.mark.slow
+def test_a_script_that_never_calls_initialize_starts_the_group_on_first_use():
+    """Single-host JAX scripts never call initialize(): under `ktd run` the
+    first list_devices() starts the process group (once, logged at INFO by
+    rank 0), and DataParallel training gives one-process numbers."""
+    script = ["tests/scripts/dp_train.py", "--without-initialize"]
+    launched = _start(["run", "-n", "2", *script], _env(KTD_LOG_LEVEL="INFO"))
+    # The same script in one plain process (no launcher environment).
+    alone = subprocess.Popen(
+        [sys.executable, "-m", "keras_torch_distribution.launch", *script],
+        cwd=ROOT, env=_env(KERAS_BACKEND="torch"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    launched, alone = _finish(launched, 240), _finish(alone, 240)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "devices=['cpu:0']" in alone.stdout
+    assert launched.stdout.count("devices=['cpu:0', 'cpu:1']") == 2, launched.stdout
+    started = [line for line in launched.stderr.splitlines()
+               if "keras.distribution.initialize() was not called" in line]
+    assert len(started) == 1, launched.stderr[-3000:]
+    assert started[0].startswith(
+        "[ktd rank 0] INFO: keras.distribution.initialize() was not called: "
+        "list_devices() starts the process group now from the launcher's "
+        "environment (RANK=0, WORLD_SIZE=2, MASTER_ADDR="
+    ), started
+    (reference,) = _RESULT.findall(alone.stdout)
+    got = _RESULT.findall(launched.stdout)
+    assert reference[0] == "1" and [r[0] for r in got] == ["2", "2"], launched.stdout
+    for world, losses, weight_sums in got:
+        np.testing.assert_allclose(eval(losses), eval(reference[1]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(eval(weight_sums), eval(reference[2]),
+                                   rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------

@@ -139,8 +139,6 @@ def test_other_float_dtypes(name, dtype, monkeypatch):
 @pytest.mark.parametrize("kind", ["normal", "uniform", "truncated_normal"])
 def test_stream_block_any_chunk_size(kind, max_draws):
     """`_stream_block` directly, with explicit (tiny, odd) chunk sizes."""
-    from keras_torch_distribution import _keras_compat
-
     make = {
         "normal": SEEDED["random_normal"],
         "uniform": SEEDED["random_uniform"],
@@ -155,7 +153,7 @@ def test_stream_block_any_chunk_size(kind, max_draws):
     ]:
         full = _full(make, shape)
         for box in _boxes(shape, pieces):
-            call = _keras_compat.record_random_initializer(make(), shape, "float32")
+            call = sharded_init.record_random_initializer(make(), shape, "float32")
             assert call is not None and call.kind == kind
             block = sharded_init._stream_block(
                 call, shape, torch.float32, box, max_draws=max_draws

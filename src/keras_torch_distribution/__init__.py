@@ -12,18 +12,19 @@ import os
 # (unless KERAS_BACKEND says otherwise, which `install()` then reports).
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-from keras_torch_distribution import _keras_compat  # noqa: E402,F401
+from keras_torch_distribution import checkpoint  # noqa: E402
 from keras_torch_distribution import runtime  # noqa: E402,F401
-from keras_torch_distribution._keras_compat import SUPPORTED_KERAS_TEXT
-from keras_torch_distribution._keras_compat import install
-from keras_torch_distribution._keras_compat import is_installed
-from keras_torch_distribution._keras_compat import uninstall
-from keras_torch_distribution.report import report
-from keras_torch_distribution.runtime import initialize
+from keras_torch_distribution._install import install  # noqa: E402
+from keras_torch_distribution._install import is_installed  # noqa: E402
+from keras_torch_distribution._install import uninstall  # noqa: E402
+from keras_torch_distribution._keras import SUPPORTED_KERAS_TEXT  # noqa: E402
+from keras_torch_distribution.report import report  # noqa: E402
+from keras_torch_distribution.runtime import initialize  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
     "SUPPORTED_KERAS_TEXT",
+    "checkpoint",
     "initialize",
     "install",
     "is_installed",

@@ -16,7 +16,8 @@ import keras
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
+from keras_torch_distribution import fsdp
 from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
@@ -30,12 +31,15 @@ def plain(value):
 
 def layer_call(original, layer, *args, **kwargs):
     """Keras `Layer.__call__`, as the module docstring says."""
-    outermost = _keras_compat.in_outer_call()
+    outermost = _keras.in_outer_call()
     if outermost:
         args, kwargs = _plain_inputs(args, kwargs)
         active = _active_forward[0]
         if active is not None and active[0] is layer and not torch.compiler.is_compiling():
             return active[1](original, layer, *args, **kwargs)
+        if fsdp.plans_exist():
+            with fsdp.regathering_in_backward():
+                return convert_outputs(original, layer, outermost, *args, **kwargs)
     return convert_outputs(original, layer, outermost, *args, **kwargs)
 
 
@@ -71,7 +75,7 @@ def _explain_uneven(layer, error):
         return
     found = []
     for variable in layer.weights:
-        value = _keras_compat.raw_value(variable)
+        value = _keras.raw_value(variable)
         uneven = layouts.uneven_dims(value) if isinstance(value, DTensor) else []
         if uneven:
             found.append((variable, uneven))

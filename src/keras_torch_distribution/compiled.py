@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import boundary
 from keras_torch_distribution.log import warn_once
 
@@ -103,7 +103,7 @@ def compiles_under_distribution(model):
     """True when `model` was compiled with jit_compile=True and a
     distribution is set: its outermost call runs through torch.compile."""
     return (
-        _keras_compat.current_distribution() is not None
+        _keras.current_distribution() is not None
         and getattr(model, "jit_compile", False) is True
     )
 

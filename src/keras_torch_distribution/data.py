@@ -12,23 +12,33 @@ A torch `DataLoader` yields per-process batches: replica r takes batches
 r, r+R, r+2R, ... (a remainder of fewer than R batches is left out of each
 epoch, with a warning). A Python generator is used as given (shard it
 yourself). A batched `tf.data.Dataset` is taken as global batches, like arrays.
-With `auto_shard_dataset=False` every input is used as given.
+With `auto_shard_dataset=False` every input is used as given: each batch is
+this replica's piece of a global batch made of the replicas' equal pieces,
+in replica order.
 """
 
 import keras
+import torch
+import torch.distributed
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution.log import warn_once
 
-_batch_scale = [1.0]
+
+def batch_rows():
+    """Where this replica's batch sits in the global batch: (global rows,
+    first row, rows), set as fit / evaluate / predict feed each batch
+    (random draws and batch statistics need it); None outside them, and
+    for batches nobody sharded (direct model calls: the rows a process
+    passes are the whole batch)."""
+    return replicas.batch_weight.rows
 
 
 def batch_scale():
-    """How much this replica's last batch weighs against an even share:
-    rows here * replicas / rows in the global batch (1.0 for even batches)."""
-    return _batch_scale[0]
+    """The current batch's weight (see replicas.BatchWeight)."""
+    return replicas.batch_scale()
 
 
 def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
@@ -43,40 +53,55 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
         shuffle=shuffle,
         class_weight=class_weight,
     )
-    distribution = _keras_compat.current_distribution()
+    distribution = _keras.current_distribution()
     if (
         distribution is None
         or runtime.num_processes() == 1
-        or _keras_compat.is_data_adapter(x)
+        or _keras.is_data_adapter(x)
     ):
         return original(**arguments)
-    with _keras_compat.distribution_hidden():
+    with _keras.distribution_hidden():
         adapter = original(**arguments)
     group = replicas.current()
-    if not distribution.auto_shard_dataset or not group.is_distributed:
-        return adapter
-    if _keras_compat.is_torch_dataloader(x):
-        return _keras_compat.wrap_data_adapter(
-            adapter, lambda batches: _round_robin(batches, adapter, group),
+    if not group.is_distributed:
+        return _as_given(adapter)
+    if not distribution.auto_shard_dataset or _keras.is_generator(x):
+        return _wrap(
+            adapter, lambda batches: (_process_rows(b, group) for b in batches),
+            num_batches=adapter.num_batches,
+        )
+    if shuffle or _keras.is_torch_dataloader(x):
+        _same_torch_generator_everywhere()
+    if _keras.is_torch_dataloader(x):
+        return _wrap(
+            adapter, lambda batches: _round_robin(iter(batches), adapter, group),
             num_batches=_round_robin_count(adapter, group),
         )
-    if _keras_compat.is_generator(x):
-        return adapter
     if batch_size is not None and batch_size % group.count:
         raise ValueError(
             f"batch_size={batch_size} is the global batch and must be "
             f"divisible by the {group.count} data-parallel replicas; use a "
             f"multiple of {group.count}, e.g. {batch_size - batch_size % group.count or group.count}."
         )
-    return _keras_compat.wrap_data_adapter(
+    return _wrap(
         adapter, lambda batches: (_replica_rows(b, group) for b in batches),
         num_batches=adapter.num_batches,
     )
 
 
+def _same_torch_generator_everywhere():
+    """Keras (and a DataLoader) shuffle with torch's global generator;
+    every process must draw the same permutation of the global batches
+    (processes seeded differently would each take their rows of another
+    one): rank 0's generator state goes to every process. Collective: call
+    on every rank."""
+    state = torch.get_rng_state()
+    torch.distributed.broadcast(state, src=0)
+    torch.set_rng_state(state)
+
+
 def _replica_rows(batch, group):
-    leaves = [t for t in keras.tree.flatten(batch) if t is not None]
-    rows = int(leaves[0].shape[0])
+    rows = _rows(batch)
     base, extra = divmod(rows, group.count)
     start = group.index * base + min(group.index, extra)
     count = base + (1 if group.index < extra else 0)
@@ -87,10 +112,23 @@ def _replica_rows(batch, group):
             "samples leave a last batch of at least that many rows, e.g. by "
             "choosing another batch_size or dropping the remainder."
         )
-    _batch_scale[0] = count * group.count / rows
+    replicas.batch_weight.set(count * group.count / rows, (rows, start, count))
     return keras.tree.map_structure(
         lambda t: None if t is None else t[start : start + count], batch
     )
+
+
+def _process_rows(batch, group):
+    """A per-process batch: this replica's piece of a global batch made of
+    the replicas' equal pieces, in replica order; it weighs an even share."""
+    rows = _rows(batch)
+    replicas.batch_weight.set(1.0, (rows * group.count, rows * group.index, rows))
+    return batch
+
+
+def _rows(batch):
+    leaves = [t for t in keras.tree.flatten(batch) if t is not None]
+    return int(leaves[0].shape[0])
 
 
 def _round_robin_count(adapter, group):
@@ -111,15 +149,69 @@ def _round_robin_count(adapter, group):
 
 
 def _round_robin(batches, adapter, group):
-    _batch_scale[0] = 1.0
     limit = _round_robin_count(adapter, group)
     for position, batch in enumerate(batches):
         if limit is not None and position >= limit * group.count:
             return
         if position % group.count == group.index:
-            yield batch
+            yield _process_rows(batch, group)
 
 
-def reset_batch_scale():
-    _batch_scale[0] = 1.0
+def _as_given(adapter):
+    """The adapter's batches as they are (one replica: each is the whole
+    global batch), each weighing an even share."""
 
+    def even(batch):
+        replicas.batch_weight.forget()
+        return batch
+
+    return _wrap(
+        adapter, lambda batches: (even(b) for b in batches),
+        num_batches=adapter.num_batches,
+    )
+
+
+class _WrappedDataAdapter(_keras.DataAdapter):
+    """A Keras data adapter whose batches pass through `transform`.
+
+    A transform calls `iter()` on the adapter's batches at once (a generator
+    expression does), as Keras does: a DataLoader draws its iterator's seed
+    from torch's global generator then, and unseeded dropout needs torch's
+    stream exactly where one process has it."""
+
+    def __init__(self, inner, transform, num_batches):
+        self._inner = inner
+        self._transform = transform
+        self._num_batches = num_batches
+
+    def get_numpy_iterator(self):
+        return self._transform(self._inner.get_numpy_iterator())
+
+    def get_torch_dataloader(self):
+        return self._transform(self._inner.get_torch_dataloader())
+
+    @property
+    def num_batches(self):
+        return self._num_batches
+
+    @property
+    def batch_size(self):
+        return self._inner.batch_size
+
+    @property
+    def has_partial_batch(self):
+        return self._inner.has_partial_batch
+
+    @property
+    def partial_batch_size(self):
+        return self._inner.partial_batch_size
+
+    def on_epoch_begin(self):
+        self._inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self._inner.on_epoch_end()
+
+
+def _wrap(adapter, transform, num_batches):
+    return _WrappedDataAdapter(adapter, transform, num_batches)

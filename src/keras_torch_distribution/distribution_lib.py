@@ -2,13 +2,13 @@
 
 Installed as Keras' backend `distribution_lib` module (and as the name Keras'
 front end bound at import) by `keras_torch_distribution.install()`; see
-`_keras_compat`, the only module that touches Keras internals.
+`_keras`, the only module that touches Keras internals.
 """
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import layouts
 from keras_torch_distribution import runtime
 from keras_torch_distribution import seeds
@@ -64,15 +64,29 @@ def distribute_tensor(tensor, layout):
     (a `Partial` one is reduced). A layout shorter than the tensor lays out
     its leading dims, as JAX reads a PartitionSpec. Collective for DTensors:
     call on every rank.
+
+    Inside a layer call (Keras relayouts a layer's output named
+    `<layer path>/output` in a LayoutMap) the tensor is an activation: this
+    replica's rows, already split along the batch axis. Its layout applies
+    on the other mesh axes; a dim the layout puts on the batch axis stays
+    whole (layouts never change numbers), and a tensor the rest of the
+    layout does not shard is returned as it is, or made whole.
     """
-    scope = _keras_compat.current_name_scope()
+    scope = _keras.current_name_scope()
     what = "the tensor"
     if scope:
         what = (
             f"the tensor distributed in Keras name scope {scope!r} (a layer's "
             f"output, when a LayoutMap key matches {scope + '/output'!r})"
         )
-    return tensors.to_layout(tensor, _resolve(layout), what)
+    torch_layout = _resolve(layout)
+    if not _keras.in_outer_call():
+        distribution = _keras.current_distribution()
+        batch_axis = None if distribution is None else distribution.batch_dim_name
+        torch_layout = layouts.without_axis(torch_layout, batch_axis)
+        if not torch_layout.is_sharded:
+            return tensors.full_value(tensor)
+    return tensors.to_layout(tensor, torch_layout, what)
 
 
 def distribute_variable(value, layout):

@@ -8,12 +8,20 @@ script runs with this package installed into Keras even if it never imports
 it, so an unchanged Keras-on-JAX distribution script runs on torch.
 
 When a rank fails, torchrun stops the others and `ktd run` exits non-zero
-with a last line naming the rank that failed first and its exception.
+with a last line naming the rank that failed first and its exception (or
+the signal that killed it). Bad arguments and settings are refused before
+any rank starts.
 """
 
+import errno
 import os
+import re
 import runpy
+import signal
+import socket
 import sys
+
+from keras_torch_distribution import _env
 
 _OWN_OPTIONS = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
 # Options that tell torchrun where the other nodes are: with any of them (or
@@ -27,6 +35,8 @@ _RENDEZVOUS_OPTIONS = (
 # file through keras_torch_distribution.launch, so they cannot be combined.
 _UNSUPPORTED_OPTIONS = ("-m", "--module", "--no-python", "--no_python",
                         "--run-path", "--run_path")
+# Words torchrun accepts for --nproc-per-node besides a number.
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
 def _flag_options():
@@ -79,6 +89,8 @@ def torchrun_arguments(argv):
             index += 1
         if name == "--nnodes":
             nnodes = value
+        if name == "--nproc-per-node":
+            _check_nproc(option.partition("=")[0], value)
     if index >= len(argv):
         raise SystemExit("ktd run: give a script to run, e.g. `ktd run -n 2 train.py`")
     multi_node = nnodes not in ("1", "1:1") or any(
@@ -90,31 +102,201 @@ def torchrun_arguments(argv):
     return arguments + ["-m", "keras_torch_distribution.launch", script] + script_args
 
 
+def _check_nproc(option, value):
+    """Refuse a --nproc-per-node that is not a positive count (torchrun
+    would end in a bare AssertionError)."""
+    if value in _NPROC_WORDS or (value.isdigit() and int(value) > 0):
+        return
+    raise SystemExit(
+        f"ktd run: {option} {value} is not a number of processes per node: "
+        "give a whole number of at least 1, e.g. `ktd run -n 2 train.py` (or "
+        f"one of torchrun's {', '.join(_NPROC_WORDS)})."
+    )
+
+
+def _check_settings():
+    """Refuse bad KTD_* settings here, once, rather than in every rank."""
+    for read in (_env.timeout_seconds, _env.forces_cpu, _env.log_level):
+        try:
+            read()
+        except ValueError as error:
+            raise SystemExit(f"ktd run: {error}") from None
+
+
+def _hosted_port(arguments):
+    """The port this node's torchrun will listen on for a static rendezvous
+    (node rank 0 hosts it at --master-port), or None when it hosts none
+    (--standalone picks a free port itself; c10d rendezvous decides alone).
+    """
+    from torch.distributed import run as torch_run
+
+    parsed = torch_run.parse_args(arguments)
+    if parsed.standalone or parsed.rdzv_backend != "static" or parsed.node_rank != 0:
+        return None
+    endpoint = parsed.rdzv_endpoint or f"{parsed.master_addr}:{parsed.master_port}"
+    port = endpoint.rpartition(":")[2]
+    return int(port) if port.isdigit() else None
+
+
+def _port_in_use_message(port, reason):
+    return (
+        f"ktd run: --master-port {port} is in use on this machine ({reason}), "
+        "and this node (node rank 0) must host the rendezvous there. Give a "
+        "free port with --master-port (the same on every node), stop the "
+        f"program that holds it (`ss -ltnp 'sport = :{port}'` names it), or, "
+        "on one machine, leave out --master-addr and --master-port: `ktd run` "
+        "then picks a free port."
+    )
+
+
+def _check_port_free(port):
+    """Refuse a rendezvous port another program holds, before ranks start."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            raise SystemExit(_port_in_use_message(port, error.strerror)) from None
+
+
 def run(argv):
     os.environ.setdefault("KERAS_BACKEND", "torch")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from torch.distributed import DistNetworkError
     from torch.distributed import run as torch_run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     arguments = torchrun_arguments(argv)
+    _check_settings()
+    port = _hosted_port(arguments)
+    if port is not None:
+        _check_port_free(port)
     try:
         torch_run.main(arguments)
     except ChildFailedError as error:
         # torchrun stopped every other process when this one failed; say
         # which rank failed first, without the launcher's own traceback.
-        rank, failure = error.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):  # read from the rank's error file
-            message = message.get("message", "")
-        lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-        cause = f": {lines[-1]}" if lines else ""
-        raise SystemExit(
-            f"{error}\nktd run: rank {rank} (local rank {failure.local_rank}) "
-            f"failed first, exit code {failure.exitcode}{cause}. torchrun "
-            "stopped the other processes; that rank's traceback is above. If "
-            "a rank hangs instead, KTD_TIMEOUT_SECONDS bounds how long "
-            "collectives wait for it."
-        ) from None
+        raise SystemExit(f"{error}\n{failure_summary(error.failures)}") from None
+    except DistNetworkError as error:
+        if port is None or "EADDRINUSE" not in str(error):
+            raise
+        # Taken between our check and torchrun's own bind.
+        raise SystemExit(_port_in_use_message(port, "address already in use")) from None
+
+
+# Words of errors a rank raises when a peer went away, not a cause of its own
+# (gloo, NCCL, and the TCP store).
+_LOST_PEER = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"remote process exited|ECONNRESET|EPIPE|failed to recv, got 0 bytes",
+    re.IGNORECASE,
+)
+# Signals sent from outside the process (a person, a scheduler, the kernel's
+# out-of-memory killer), as opposed to a crash in native code.
+_KILL_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXCPU")
+_KERAS_CALL_CONTEXT = "Exception encountered when calling "
+_NO_ERROR_FILE = "<N/A>"  # torchrun's ProcessFailure.error_file without one
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MAX_CAUSE_CHARS = 400
+
+
+def first_failure(failures):
+    """(rank, failure) of the rank that most likely failed first.
+
+    torchrun orders failures by whole seconds (a tie goes to the rank it
+    saw first) and also lists the ranks it stopped itself (by SIGTERM, after
+    the first failure). So a rank that failed only because its peer died (a
+    broken connection) can look first. Order: ranks that failed for a
+    reason of their own (an exception, a signal) before ranks that lost a
+    peer; then the earliest; in a tie, ranks that torchrun may have stopped
+    (SIGTERM, nothing recorded) last.
+    """
+    def order(rank):
+        failure = failures[rank]
+        exception = _exception(failure)
+        lost_peer = bool(exception and _LOST_PEER.search(exception))
+        maybe_stopped = exception is None and failure.exitcode == -signal.SIGTERM
+        return (lost_peer, failure.timestamp, maybe_stopped, rank)
+
+    rank = min(failures, key=order)
+    return rank, failures[rank]
+
+
+def failure_summary(failures):
+    """The last line `ktd run` prints when ranks failed: which rank failed
+    first, and its exception's type and first line (or its signal)."""
+    rank, failure = first_failure(failures)
+    who = f"ktd run: rank {rank} (local rank {failure.local_rank})"
+    exception = _exception(failure)
+    if exception is None and failure.exitcode < 0:
+        signal_name = failure.signal_name()
+        if signal_name in _KILL_SIGNALS:
+            why = (
+                "It was killed from outside Python (the kernel's out-of-memory "
+                "killer: see `dmesg`; a scheduler's time or memory limit; or "
+                "`kill`), so it left no traceback."
+            )
+        else:
+            why = (
+                "That is a crash in native code, not a Python exception, so it "
+                "left no Python traceback; its last output above may say why."
+            )
+        return (
+            f"{who} died first, by signal {signal_name} (exit code "
+            f"{failure.exitcode}). {why} torchrun stopped the other processes."
+        )
+    if exception is None:
+        return (
+            f"{who} failed first, exit code {failure.exitcode}, without a "
+            "Python exception on record (it called sys.exit or os._exit, or a "
+            "library ended the process); its output is above. torchrun stopped "
+            "the other processes."
+        )
+    lost_peer = (
+        " It lost its connection to another rank, which most likely died "
+        "without a record (killed, or out of memory)."
+        if _LOST_PEER.search(exception) else ""
+    )
+    exit_code = f"exit code {failure.exitcode}"
+    if failure.exitcode < 0:  # stopped by torchrun after it raised
+        exit_code += f" ({failure.signal_name()})"
+    return (
+        f"{who} failed first, {exit_code}: {_cause(exception)}"
+        f"{lost_peer} torchrun stopped the other processes; that rank's "
+        "traceback is above. If a rank hangs instead, KTD_TIMEOUT_SECONDS "
+        "bounds how long collectives wait for it."
+    )
+
+
+def _exception(failure):
+    """The exception text a rank recorded in its error file (our `record`
+    wrapper writes one), or None when it recorded none (killed by a signal,
+    or exited without an exception)."""
+    if failure.error_file == _NO_ERROR_FILE:
+        return None
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message)
+
+
+def _cause(message):
+    """"Type: first line" of a recorded exception.
+
+    A Keras layer error's first line only says which layer was called; the
+    error itself is the next line, so it is added.
+    """
+    lines = [line.strip() for line in _ANSI.sub("", message).splitlines() if line.strip()]
+    if not lines:
+        return "an exception without a message."
+    cause = lines[0]
+    if _KERAS_CALL_CONTEXT in cause and len(lines) > 1:
+        cause = f"{cause} {lines[1]}"
+    if len(cause) > _MAX_CAUSE_CHARS:
+        cause = cause[:_MAX_CAUSE_CHARS] + "..."
+    return cause if cause.endswith((".", "...")) else cause + "."
 
 
 def _run_script(argv):

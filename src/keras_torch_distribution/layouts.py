@@ -175,6 +175,29 @@ class TorchLayout:
         return any(isinstance(p, Shard) for p in self.placements)
 
 
+def without_axis(torch_layout, axis_name):
+    """`torch_layout` with nothing sharded on the mesh axis `axis_name`."""
+    names = tuple(torch_layout.mesh.mesh_dim_names or ())
+    if axis_name not in names:
+        return torch_layout
+    index = names.index(axis_name)
+    if not isinstance(torch_layout.placements[index], Shard):
+        return torch_layout
+    placements = list(torch_layout.placements)
+    placements[index] = Replicate()
+    axes = tuple(
+        _drop_name(entry, axis_name) for entry in torch_layout.axes
+    )
+    return TorchLayout(torch_layout.mesh, tuple(placements), axes)
+
+
+def _drop_name(entry, name):
+    if isinstance(entry, (tuple, list)):
+        kept = tuple(n for n in entry if n != name)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+    return None if entry == name else entry
+
+
 def to_torch_layout(keras_layout):
     """Collective the first time its mesh is seen: call on every rank."""
     if keras_layout.device_mesh is None:

@@ -7,14 +7,24 @@ sets the level.
 import logging
 import os
 
+import torch.distributed as dist
+
+from keras_torch_distribution import _env
+
+
+def _rank():
+    """This process's rank: the running group's, else the launcher's RANK
+    (so that messages from before the group starts are not said N times)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    text = os.environ.get("RANK", "0")
+    return int(text) if text.isdigit() else 0
+
 
 class _RankFilter(logging.Filter):
     def filter(self, record):
-        from keras_torch_distribution import runtime
-
-        rank = runtime.process_id()
-        record.rank = rank
-        return rank == 0 or os.environ.get("KTD_LOG_ALL_RANKS") == "1"
+        record.rank = _rank()
+        return record.rank == 0 or _env.log_all_ranks()
 
 
 logger = logging.getLogger("keras_torch_distribution")
@@ -25,7 +35,7 @@ if not logger.handlers:
     )
     _handler.addFilter(_RankFilter())
     logger.addHandler(_handler)
-    logger.setLevel(os.environ.get("KTD_LOG_LEVEL", "WARNING").upper())
+    logger.setLevel(_env.log_level())
     logger.propagate = False
 
 

@@ -17,7 +17,7 @@ import keras
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 
 
 def _local_blocks(tensors):
@@ -37,7 +37,7 @@ def adam_update(original, optimizer, grads, keras_variables, learning_rate):
     arithmetic. `original` is unused: kept by the seam to put it back."""
     del original
     values = [v.value for v in keras_variables]
-    momentums, velocities, velocity_hats = _keras_compat.adam_slots(
+    momentums, velocities, velocity_hats = _keras.adam_slots(
         optimizer, keras_variables
     )
     dtype = values[0].dtype

@@ -17,7 +17,7 @@ what was launched; the caller then averages the gradients synchronously.
 import torch
 import torch.distributed as dist
 
-from keras_torch_distribution import data
+from keras_torch_distribution import replicas
 
 BUCKET_BYTES = 4 * 1024 * 1024
 
@@ -68,7 +68,7 @@ class OverlappedReducer:
             for p in self.buckets[index]
         ]
         flat = torch.cat(pieces)
-        flat.mul_(data.batch_scale() / self.count)
+        flat.mul_(replicas.batch_scale() / self.count)
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self.works[index] = (work, flat)
 

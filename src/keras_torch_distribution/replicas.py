@@ -5,18 +5,17 @@ coordinate on the batch axis of the mesh). Replicas compute on their own
 rows with plain local tensors; their gradients and metric states meet in one
 all-reduce over the batch process group.
 
-A batch axis that also shards variables (Keras' ModelParallel on a 1-D
-"model" mesh uses its only axis for both) acts as a model axis: every
-process computes on the whole global batch and the variables sharded on it
-are tensor-parallel there, so there is one replica. The numbers are the same
-either way; this way no weight is gathered per step.
+The batch axis is always data, as on JAX, also when variables are sharded
+on it (Keras' ModelParallel on a 1-D "model" mesh uses its only axis for
+both): those variables are FSDP (`fsdp.py`), gathered along the batch axis
+for use, while each replica computes on its own rows.
 """
 
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import layouts
 from keras_torch_distribution import runtime
 
@@ -44,7 +43,7 @@ _last = [None, None, None]
 
 def current():
     """The replicas of the current distribution (one when there is none)."""
-    distribution = _keras_compat.current_distribution()
+    distribution = _keras.current_distribution()
     if distribution is None:
         return _SINGLE
     world = dist.group.WORLD if dist.is_initialized() else None
@@ -72,7 +71,7 @@ def _build(distribution):
         )
     index = axis_names.index(batch_axis)
     count = int(keras_mesh.shape[index])
-    if count == 1 or batch_axis in _axes_sharding_variables(distribution):
+    if count == 1:
         return Replicas(1, 0, None)
     torch_mesh = layouts.to_torch_mesh(keras_mesh)
     coordinate = torch_mesh.get_coordinate()[index]
@@ -83,15 +82,43 @@ def _build(distribution):
     return Replicas(count, int(coordinate), group)
 
 
-def _axes_sharding_variables(distribution):
-    names = set()
-    for layout in _keras_compat.layout_map_layouts(distribution):
-        for entry in layout.axes:
-            names.update(entry if isinstance(entry, (tuple, list)) else (entry,))
-    names.discard(None)
-    return names
-
-
 def clear_cache():
     _cache.clear()
     _last[:] = [None, None, None]
+
+
+class BatchWeight:
+    """The batch in use on this replica: its weight against an even share
+    (rows here * replicas / rows in the global batch; 1.0 for even batches)
+    and, when fit / evaluate / predict fed it, where it sits in the global
+    batch (`rows`: global rows, first row, rows; None otherwise).
+
+    Set for each batch as the data adapter yields it, read by that batch's
+    step (gradient averaging, random draws, batch statistics); the weight
+    is reset to 1.0 once the step's update is applied, and both when
+    fit / evaluate / predict end, so no step inherits another's batch
+    (train_on_batch after a fit whose last batch was partial, direct calls).
+    """
+
+    def __init__(self):
+        self.value = 1.0
+        self.rows = None
+
+    def set(self, value, rows=None):
+        self.value = float(value)
+        self.rows = rows
+
+    def reset(self):
+        self.value = 1.0
+
+    def forget(self):
+        self.value = 1.0
+        self.rows = None
+
+
+batch_weight = BatchWeight()
+
+
+def batch_scale():
+    """The current batch's weight (see BatchWeight)."""
+    return batch_weight.value

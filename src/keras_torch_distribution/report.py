@@ -1,15 +1,22 @@
-"""Shard report: where every variable lives and what each rank holds."""
+"""Shard report: where every variable lives and what each rank holds.
+
+What `ktd report CHECKPOINT` prints for a checkpoint on disk lives with the
+checkpoint package (`checkpoint.inspect`); its two functions are importable
+from here too.
+"""
 
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import runtime
+from keras_torch_distribution.checkpoint.inspect import checkpoint_table  # noqa: F401
+from keras_torch_distribution.checkpoint.inspect import format_checkpoint_table  # noqa: F401
 from keras_torch_distribution.log import logger
 
 
 def _rows_for(variable):
-    value = _keras_compat.raw_value(variable)
+    value = _keras.raw_value(variable)
     local = value.to_local() if isinstance(value, DTensor) else value
     layout = getattr(variable, "_ktd_layout", None)
     axes = tuple(layout.axes) if layout is not None else "replicated"
@@ -72,68 +79,4 @@ def format_report(tables):
                 f"{kind + ' bytes per rank':40} "
                 + " ".join(f"rank {r}: {t:,}" for r, t in enumerate(totals))
             )
-    return "\n".join(lines)
-
-
-def checkpoint_table(path):
-    """Per-variable rows of a sharded checkpoint (no process group needed):
-    key, global shape, dtype, and the blocks each writing rank stored."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from keras_torch_distribution import checkpoint
-
-    checkpoint.read_marker(path)  # raises for anything but a complete checkpoint
-    metadata = FileSystemReader(path).read_metadata()
-    writers = {}
-    for index, info in metadata.storage_data.items():
-        rank = _writer_rank(info.relative_path)
-        writers[(index.fqn, tuple(index.offset or ()))] = (rank, info.length)
-    rows = []
-    for key, entry in sorted(metadata.state_dict_metadata.items()):
-        if not isinstance(entry, TensorStorageMetadata):
-            continue
-        blocks = []
-        for chunk in entry.chunks:
-            rank, nbytes = writers.get((key, tuple(chunk.offsets)), (None, None))
-            blocks.append({
-                "rank": rank,
-                "offsets": tuple(chunk.offsets),
-                "shape": tuple(chunk.sizes),
-                "bytes": nbytes,
-            })
-        rows.append({
-            "key": key,
-            "shape": tuple(entry.size),
-            "dtype": str(entry.properties.dtype).replace("torch.", ""),
-            "blocks": blocks,
-        })
-    return rows
-
-
-def _writer_rank(relative_path):
-    """DCP names each rank's file `__<rank>_<n>.distcp`."""
-    name = relative_path.split("/")[-1]
-    if name.startswith("__"):
-        head = name[2:].split("_")[0]
-        if head.isdigit():
-            return int(head)
-    return None
-
-
-def format_checkpoint_table(rows):
-    header = f"{'variable':44} {'global shape':>16} {'dtype':>9}  blocks (rank: offsets + shape)"
-    lines = [header, "-" * len(header)]
-    totals = {}
-    for row in rows:
-        blocks = "; ".join(
-            f"{b['rank']}: {b['offsets']}+{b['shape']}" for b in row["blocks"]
-        )
-        lines.append(f"{row['key'][:44]:44} {str(row['shape']):>16} {row['dtype']:>9}  {blocks}")
-        for b in row["blocks"]:
-            totals[b["rank"]] = totals.get(b["rank"], 0) + (b["bytes"] or 0)
-    lines.append(
-        "bytes written per rank: "
-        + ", ".join(f"rank {r}: {n:,}" for r, n in sorted(totals.items(), key=lambda kv: str(kv[0])))
-    )
     return "\n".join(lines)

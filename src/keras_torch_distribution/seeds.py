@@ -5,7 +5,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 
 
 def initialize_rng():
@@ -16,7 +16,7 @@ def initialize_rng():
     Python's `random`) give the same values on every rank. Collective: call on
     every rank.
     """
-    seed = _keras_compat.get_random_seed()
+    seed = _keras.get_random_seed()
     if dist.is_initialized() and dist.get_world_size() > 1:
         proposal = seed if seed is not None else random.randint(1, 2**31 - 1)
         box = [proposal]
@@ -30,5 +30,5 @@ def initialize_rng():
         seed = box[0]
     elif seed is None:
         return
-    _keras_compat.set_random_seed(seed)
+    _keras.set_random_seed(seed)
     torch.manual_seed(seed)

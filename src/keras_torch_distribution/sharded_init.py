@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import layouts
 from keras_torch_distribution.log import warn_once
 
@@ -26,12 +26,48 @@ CHUNK_DRAWS = 1 << 20
 _NORMAL_BLOCK = 16
 
 
+
+class RandomCall:
+    """What a Keras random initializer asked for, recorded instead of drawn."""
+
+    def __init__(self, kind, shape, dtype, seed, params):
+        self.kind = kind
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.seed = seed
+        self.params = params
+
+
+class _RandomRecorder:
+    @staticmethod
+    def normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
+        return RandomCall("normal", shape, dtype, seed, (mean, stddev))
+
+    @staticmethod
+    def truncated_normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
+        return RandomCall("truncated_normal", shape, dtype, seed, (mean, stddev))
+
+    @staticmethod
+    def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
+        return RandomCall("uniform", shape, dtype, seed, (minval, maxval))
+
+
+def record_random_initializer(initializer, shape, dtype):
+    """The `RandomCall` a built-in random initializer would make for `shape`,
+    without drawing anything; None for any other initializer."""
+    if type(initializer).__call__ not in _keras.RECORDABLE_INITIALIZER_CALLS:
+        return None
+    with _keras.initializers_drawing_from(_RandomRecorder):
+        call = initializer(shape, dtype=dtype)
+    return call if isinstance(call, RandomCall) else None
+
+
 def init_block(initializer, shape, dtype, box, path):
     """This rank's block `box` of `initializer(shape, dtype)`, as a tensor."""
-    torch_dtype = _keras_compat.to_torch_dtype(dtype)
-    device = _keras_compat.torch_device()
+    torch_dtype = _keras.to_torch_dtype(dtype)
+    device = _keras.torch_device()
     local_shape = tuple(hi - lo for lo, hi in box)
-    kind = _keras_compat.initializer_kind(initializer)
+    kind = _keras.initializer_kind(initializer)
     if kind in ("zeros", "ones", "constant"):
         value = initializer(local_shape, dtype=dtype)
         return torch.as_tensor(value, dtype=torch_dtype).to(device)
@@ -40,7 +76,7 @@ def init_block(initializer, shape, dtype, box, path):
         cols = torch.arange(box[1][0], box[1][1]).unsqueeze(0)
         eye = (rows == cols).to(torch_dtype) * initializer.gain
         return eye.to(device)
-    call = _keras_compat.record_random_initializer(initializer, shape, dtype)
+    call = record_random_initializer(initializer, shape, dtype)
     if call is not None:
         return _stream_block(call, shape, torch_dtype, box).to(device)
     warn_once(
@@ -80,7 +116,7 @@ def _row_groups(rows, draws_per_row, max_draws):
 def _stream_block(call, shape, torch_dtype, box, max_draws=None):
     """Draw `call`'s stream for rows up to the block's end; keep the block."""
     max_draws = max_draws or CHUNK_DRAWS
-    generator = _keras_compat.keras_generator_for_seed(call.seed)
+    generator = _keras.keras_generator_for_seed(call.seed)
     if generator.device.type != "cpu":
         # Blocks are drawn on the CPU: its stream can be cut into chunks.
         seed = generator.initial_seed()

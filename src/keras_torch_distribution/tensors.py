@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
 from keras_torch_distribution import layouts
 
 
@@ -15,13 +15,13 @@ def as_torch(value, dtype=None):
     if isinstance(value, DTensor):
         return value if dtype is None else value.to(dtype)
     if isinstance(value, torch.Tensor):
-        value = value.to(_keras_compat.torch_device())
+        value = value.to(_keras.torch_device())
         return value if dtype is None else value.to(dtype)
     if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(
         value, (list, tuple)
     ):
         array = np.asarray(value)
-        return torch.as_tensor(array, dtype=dtype, device=_keras_compat.torch_device())
+        return torch.as_tensor(array, dtype=dtype, device=_keras.torch_device())
     if hasattr(value, "__array__"):
         return as_torch(np.asarray(value), dtype)
     raise TypeError(
@@ -80,10 +80,28 @@ def full_value(value):
     """
     if not isinstance(value, DTensor):
         return value
-    if all(isinstance(p, Replicate) for p in value.placements):
-        return value.to_local()
-    replicated = [Replicate()] * value.device_mesh.ndim
-    return value.redistribute(value.device_mesh, replicated).to_local()
+    if not all(isinstance(p, Replicate) for p in value.placements):
+        replicated = [Replicate()] * value.device_mesh.ndim
+        value = value.redistribute(value.device_mesh, replicated)
+    local = value.to_local()
+    if local.requires_grad:
+        local = PlainGradient.apply(local)
+    return local
+
+
+class PlainGradient(torch.autograd.Function):
+    """Identity on a plain tensor made from a DTensor (`to_local`), whose
+    gradient may come back as a DTensor: a plain tensor that meets DTensors
+    (implicit replication) gets DTensor gradients, which `to_local`'s
+    backward refuses. The gradient is made whole (plain) first."""
+
+    @staticmethod
+    def forward(ctx, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return full_value(grad) if isinstance(grad, DTensor) else grad
 
 
 def to_numpy(original, value):

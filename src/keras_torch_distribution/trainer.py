@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
+from keras_torch_distribution import agreement
 from keras_torch_distribution import boundary
 from keras_torch_distribution import compiled
-from keras_torch_distribution import data
 from keras_torch_distribution import gradients
 from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
@@ -47,9 +47,9 @@ def optimizer_apply(original, optimizer, grads, trainable_variables=None):
 def _apply(original, optimizer, grads, trainable_variables):
     variables = trainable_variables
     if variables is None:
-        variables = _keras_compat.optimizer_variables(optimizer)
+        variables = _keras.optimizer_variables(optimizer)
     grads = [
-        gradients.align(g, _keras_compat.raw_value(v))
+        gradients.align(g, _keras.raw_value(v))
         for g, v in zip(grads, variables)
     ]
     group = replicas.current()
@@ -60,6 +60,7 @@ def _apply(original, optimizer, grads, trainable_variables):
         return original(optimizer, grads, trainable_variables)
     finally:
         _apply_depth[0] -= 1
+        replicas.batch_weight.reset()
 
 
 _eager_apply = torch._dynamo.disable(
@@ -67,24 +68,32 @@ _eager_apply = torch._dynamo.disable(
 )
 
 
-def _synchronize(optimizer, grads, variables, group):
+def _synchronize(optimizer, grads, variables_, group):
     steps = optimizer.gradient_accumulation_steps
-    reducer = None if steps else _overlapped_reducer(optimizer, variables, group)
+    reducer = None if steps else _overlapped_reducer(optimizer, variables_, group)
     if reducer is not None and reducer.finish(grads):
         return
-    local = [gradients.local_part(g) for g in grads if g is not None]
-    scale = data.batch_scale()
+    # Gradients of variables sharded on the batch axis (FSDP) arrive
+    # reduce-scattered and averaged by their gather's backward.
+    replicated = [variables.gather_plan(v) is None for v in variables_]
+    local = [
+        gradients.local_part(g)
+        for g, keep in zip(grads, replicated)
+        if g is not None and keep
+    ]
+    scale = replicas.batch_scale()
     if steps:
         # Accumulate local gradients; average once per real step, together
         # with what was accumulated.
         if scale != 1.0:
             for t in local:
                 t.mul_(scale)
-        iteration = _keras_compat.apply_count(optimizer)
+        iteration = _keras.apply_count(optimizer)
         if (iteration + 1) % steps:
             return
-        accumulators = _keras_compat.gradient_accumulators(optimizer, variables)
-        local += [gradients.local_part(_keras_compat.raw_value(a)) for a in accumulators]
+        kept = [v for v, keep in zip(variables_, replicated) if keep]
+        accumulators = _keras.gradient_accumulators(optimizer, kept)
+        local += [gradients.local_part(_keras.raw_value(a)) for a in accumulators]
         scale = 1.0
     gradients.all_reduce_mean(local, group.group, group.count, scale)
 
@@ -93,7 +102,7 @@ def _overlapped_reducer(optimizer, variables, group):
     """The optimizer's overlapped reducer when every trainable variable is a
     plain tensor (data parallelism); None otherwise. Built on the first step
     (whose gradients are then averaged synchronously), reused after."""
-    params = [_keras_compat.raw_value(v) for v in variables]
+    params = [_keras.raw_value(v) for v in variables]
     reducer = _reducers.get(optimizer)
     if reducer is not None and [id(p) for p in reducer.params] == [id(p) for p in params]:
         return reducer
@@ -208,11 +217,17 @@ def _gather_rows(tensor, group):
 def quiet_on_other_ranks(original, model, *args, **kwargs):
     """fit / evaluate / predict print progress, and file-writing callbacks
     write, on rank 0 only. Variables created before the distribution was
-    set, that it would shard, get one warning each."""
+    set, that it would shard, get one warning each. Ranks that disagree on
+    the call (model, distribution, input sizes) raise, naming the
+    difference. Collective: call on every rank."""
+    agreement.check(original.__name__, model, args, kwargs)
     variables.warn_if_created_outside(
-        model.variables, _keras_compat.current_distribution()
+        model.variables, _keras.current_distribution()
     )
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
         kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))
-    return original(model, *args, **kwargs)
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        replicas.batch_weight.forget()

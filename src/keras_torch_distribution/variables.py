@@ -11,12 +11,12 @@ their gradients back into plain tensors.
 Only float and complex variables that are trainable require grad.
 """
 
-import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from keras_torch_distribution import _keras_compat
+from keras_torch_distribution import _keras
+from keras_torch_distribution import fsdp
 from keras_torch_distribution import layouts
 from keras_torch_distribution import sharded_init
 from keras_torch_distribution import tensors
@@ -55,7 +55,7 @@ def sharded_layout(variable):
         return cached
     layout = variable._layout
     if layout is None:
-        distribution = _keras_compat.current_distribution()
+        distribution = _keras.current_distribution()
         if distribution is not None:
             layout = distribution.get_variable_layout(variable)
             variable._layout = layout
@@ -72,9 +72,39 @@ def sharded_layout(variable):
         )
         if not torch_layout.is_sharded:
             torch_layout = None
+    distribution = _keras.current_distribution()
     variable._ktd_layout = torch_layout
-    variable._ktd_distributed = _keras_compat.current_distribution() is not None
+    variable._ktd_distributed = distribution is not None
+    variable._ktd_gather = None
+    if torch_layout is not None and distribution is not None:
+        variable._ktd_gather = fsdp.plan_for(
+            torch_layout, variable.shape, distribution.batch_dim_name
+        )
     return torch_layout
+
+
+def gather_plan(variable):
+    """The FSDP GatherPlan of a variable sharded on the batch axis, else None."""
+    return getattr(variable, "_ktd_gather", None)
+
+
+def value_for_use(original, variable, value):
+    """Keras `Variable._maybe_autocast`, which every read of a variable's
+    value goes through: inside a layer call, a variable sharded on the batch
+    axis is gathered along it for use (see `fsdp`), after Keras' autocast
+    (so mixed precision gathers in the compute dtype). Outside layer calls,
+    and while Keras traces shapes on the meta device, the stored value."""
+    value = original(variable, value)
+    plan = variable.__dict__.get("_ktd_gather")
+    if (
+        plan is None
+        or not isinstance(value, DTensor)
+        or tuple(value.placements) != plan.stored
+        or _keras.in_outer_call()
+        or str(_keras.torch_device()) == "meta"
+    ):
+        return value
+    return fsdp.gather_for_use(value, plan)
 
 
 def warn_if_created_outside(variables, distribution):
@@ -122,7 +152,7 @@ def initialize(original, variable, value):
         return
     variable._shape = variable._validate_shape(tuple(value.shape))
     torch_layout = sharded_layout(variable)
-    dtype = _keras_compat.to_torch_dtype(variable._dtype)
+    dtype = _keras.to_torch_dtype(variable._dtype)
     if torch_layout is None:
         tensor = tensors.full_value(tensors.as_torch(value, dtype))
         _set_value(variable, tensor.detach())
@@ -172,7 +202,7 @@ def to_numpy(original, variable, dtype=None, copy=None):
     if not isinstance(variable._value, DTensor):
         return original(variable, dtype)
     full = tensors.full_value(variable._value.detach())
-    value = _keras_compat.convert_to_numpy(full)
+    value = _keras.convert_to_numpy(full)
     return value.astype(dtype) if dtype else value
 
 
@@ -193,8 +223,3 @@ def local_bytes(variable):
     value = variable._value
     local = value.to_local() if isinstance(value, DTensor) else value
     return local.numel() * local.element_size()
-
-
-def gather_numpy(variable):
-    """The global value of a variable as numpy. Collective: call on every rank."""
-    return np.asarray(variable)

@@ -1,15 +1,22 @@
 """Train a small model with DataParallel and print its final numbers.
 
 Run by tests/test_launch.py on 2 processes of one node and on 2 simulated
-nodes x 1 process: both runs must print the same numbers.
+nodes x 1 process: both runs must print the same numbers. With
+`--without-initialize` it is written as single-host JAX scripts are: it
+never calls keras.distribution.initialize() and lists the devices first.
 """
 
 import os
+import sys
 
 import keras
 import numpy as np
 
-keras.distribution.initialize()
+if "--without-initialize" in sys.argv:
+    print(f"rank={os.environ.get('RANK')} devices={keras.distribution.list_devices()}",
+          flush=True)
+else:
+    keras.distribution.initialize()
 keras.distribution.set_distribution(keras.distribution.DataParallel())
 keras.utils.set_random_seed(7)
 model = keras.Sequential(

@@ -1,6 +1,6 @@
 """keras_hub causal LMs under the Keras distribution API, against one process.
 
-Tiny models built from configs (tests/keras_hub_models.py): the decoder LLMs
+Tiny models built from configs (tests/multiprocess/keras_hub_models.py): the decoder LLMs
 that ship a `get_layout_map` run ModelParallel under their own map on a
 (1, 2) ("batch", "model") mesh; the others run DataParallel. fit, evaluate,
 predict and greedy generate must give one process's numbers (tokens
@@ -16,10 +16,10 @@ import pytest
 pytest.importorskip(
     "keras_hub",
     reason="keras_hub is not installed; .ci/run installs it with: pip install "
-    "--no-deps keras-hub==0.32.0 && pip install -e '.[hub]'",
+    "--no-deps keras-hub==0.32.0 (the test extra holds what it needs)",
 )
 
-import keras_hub_models  # noqa: E402  (tests/ is on sys.path under pytest)
+import keras_hub_models  # noqa: E402  (its directory is on sys.path under pytest)
 
 # Families whose backbone ships get_layout_map (keras_hub 0.32). Gemma's
 # config puts 1 key/value head on a model axis of 2.

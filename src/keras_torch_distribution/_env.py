@@ -1,0 +1,74 @@
+"""The package's KTD_* settings, read from the environment in one place.
+
+Each reader parses its variable when called (tests and launchers change the
+environment between calls) and refuses a bad value with an error naming the
+variable, the value and what is accepted:
+
+- KTD_TIMEOUT_SECONDS: how long the rendezvous and every collective wait for
+  a peer, in (0, MAX_TIMEOUT_SECONDS]; default 300.
+- KTD_DEVICE: "cpu" runs on CPU processes (gloo) even where CUDA exists;
+  unset (or "gpu") uses CUDA when it is available.
+- KTD_LOG_LEVEL: the package logger's level (a `logging` level name);
+  default WARNING.
+- KTD_LOG_ALL_RANKS: "1" lets every rank log, not only rank 0.
+
+Imports nothing from the package, so every module may use it.
+"""
+
+import logging
+import math
+import os
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+# One week. A peer that has not answered in a week is hung; larger values are
+# almost always typos (1e30) and overflow torch's millisecond timeouts.
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def timeout_seconds():
+    """KTD_TIMEOUT_SECONDS as a float, or the default when it is unset."""
+    text = os.environ.get("KTD_TIMEOUT_SECONDS")
+    if text is None:
+        return DEFAULT_TIMEOUT_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
+        raise ValueError(
+            f"KTD_TIMEOUT_SECONDS={text!r} is not a positive number of seconds "
+            f"up to {MAX_TIMEOUT_SECONDS:.0f} (one week): it sets how long the "
+            "rendezvous and each collective wait for a peer. Set it to a "
+            f"number in (0, {MAX_TIMEOUT_SECONDS:.0f}], e.g. 300 (the "
+            "default), or unset it."
+        )
+    return value
+
+
+def forces_cpu():
+    """True when KTD_DEVICE=cpu asks for CPU processes where CUDA exists."""
+    text = os.environ.get("KTD_DEVICE", "")
+    if text.lower() not in ("", "cpu", "gpu", "cuda"):
+        raise ValueError(
+            f"KTD_DEVICE={text!r} is not a device choice: set KTD_DEVICE=cpu to "
+            "run on CPU processes (gloo) even where CUDA exists; unset it (or "
+            "set gpu) to use CUDA when it is available."
+        )
+    return text.lower() == "cpu"
+
+
+def log_level():
+    """KTD_LOG_LEVEL as a `logging` level name (default WARNING)."""
+    text = os.environ.get("KTD_LOG_LEVEL", "WARNING")
+    if text.upper() not in _LOG_LEVELS:
+        raise ValueError(
+            f"KTD_LOG_LEVEL={text!r} is not a logging level: set one of "
+            f"{', '.join(_LOG_LEVELS)} (default WARNING), or unset it."
+        )
+    return getattr(logging, text.upper())
+
+
+def log_all_ranks():
+    """True when KTD_LOG_ALL_RANKS=1 lets every rank log."""
+    return os.environ.get("KTD_LOG_ALL_RANKS") == "1"

@@ -1,0 +1,186 @@
+"""The top layer: the patch table, and install / uninstall / is_installed.
+
+Only `__init__.py` imports this module. It wires the Keras attributes that
+`_keras.py` exposes to their replacements in the feature modules, checks
+that every target exists before changing anything, keeps the originals, and
+`uninstall()` puts everything back and clears every cache.
+"""
+
+import keras
+
+from keras_torch_distribution import _keras
+from keras_torch_distribution import boundary
+from keras_torch_distribution import checkpoint
+from keras_torch_distribution import compiled
+from keras_torch_distribution import data
+from keras_torch_distribution import distribution_lib
+from keras_torch_distribution import layouts
+from keras_torch_distribution import optimizer_update
+from keras_torch_distribution import random_slices
+from keras_torch_distribution import replica_start
+from keras_torch_distribution import replicas
+from keras_torch_distribution import saving
+from keras_torch_distribution import sharding_rules
+from keras_torch_distribution import sync_batch_norm
+from keras_torch_distribution import tensors
+from keras_torch_distribution import trainer
+from keras_torch_distribution import variables
+
+
+class Patch:
+    """Replace `owner.name` with `replacement`; `wrap=True` passes the
+    original as the replacement's first argument."""
+
+    def __init__(self, owner, name, replacement, wrap=False):
+        self.owner = owner
+        self.name = name
+        self.replacement = replacement
+        self.wrap = wrap
+        self.original = None
+        self.inherited = False
+
+    def describe(self):
+        owner = getattr(self.owner, "__qualname__", None) or getattr(
+            self.owner, "__name__", repr(self.owner)
+        )
+        return f"{owner}.{self.name}"
+
+
+def _patch_table():
+    k = _keras
+    return [
+        # The backend module keras.distribution calls.
+        Patch(k.keras_backend_module, "distribution_lib", distribution_lib),
+        Patch(k.keras_distribution_module, "distribution_lib", distribution_lib),
+        # Variables: born sharded, gathered for use on the batch axis (FSDP),
+        # reassigned in place, read as global values.
+        Patch(k.TorchVariable, "_initialize", variables.initialize, wrap=True),
+        Patch(
+            k.TorchVariable,
+            "_initialize_with_initializer",
+            variables.initialize_with_initializer,
+            wrap=True,
+        ),
+        Patch(k.TorchVariable, "_direct_assign", variables.direct_assign, wrap=True),
+        Patch(k.TorchVariable, "_maybe_autocast", variables.value_for_use, wrap=True),
+        Patch(k.TorchVariable, "__array__", variables.to_numpy, wrap=True),
+        Patch(k.TorchVariable, "__repr__", variables.describe, wrap=True),
+        Patch(k.keras_backend_module, "convert_to_numpy", tensors.to_numpy, wrap=True),
+        # In-place writes that meet DTensors (keras_hub's KV cache, samplers,
+        # BatchNormalization's scaling by sharded parameters).
+        Patch(k.torch_core_module, "slice_update", tensors.slice_update, wrap=True),
+        Patch(k.torch_core_module, "scatter_update", tensors.scatter_update, wrap=True),
+        Patch(k.torch_nn_module, "batch_normalization", tensors.batch_normalization, wrap=True),
+        # The model boundary and jit_compile.
+        Patch(k.torch_nn_module, "_can_use_flash_attention", compiled.can_use_flash_attention, wrap=True),
+        Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
+        Patch(k.Layer, "_get_own_losses", boundary.plain_losses, wrap=True),
+        Patch(k.Layer, "_get_regularization_losses", boundary.plain_losses, wrap=True),
+        # Distributions check their batch axis and mesh when constructed.
+        Patch(k.Distribution, "__init__", distribution_lib.check_distribution, wrap=True),
+        # Step functions: replicas made equal before the first step, then
+        # Keras' step (the model call compiled under jit_compile=True).
+        Patch(k.TorchTrainer, "make_train_function", replica_start.make_train_function, wrap=True),
+        Patch(k.TorchTrainer, "make_test_function", replica_start.make_test_function, wrap=True),
+        Patch(k.TorchTrainer, "make_predict_function", replica_start.make_predict_function, wrap=True),
+        # A replica's rows (and a sharded activation's columns) of the random
+        # draws one process makes for the global batch.
+        Patch(k.torch_random_module, "dropout", random_slices.dropout, wrap=True),
+        Patch(k.torch_random_module, "normal", random_slices.normal, wrap=True),
+        Patch(k.torch_random_module, "uniform", random_slices.uniform, wrap=True),
+        Patch(k.torch_random_module, "randint", random_slices.randint, wrap=True),
+        # Moments over the global batch (all replicas' rows).
+        Patch(k.BatchNormalization, "_moments", sync_batch_norm.moments, wrap=True),
+        # Data: each replica its rows of the global batch.
+        Patch(k.epoch_iterator_data_adapters, "get_data_adapter", data.get_data_adapter, wrap=True),
+        # Training: gradients averaged over replicas, metrics summed, Adam in place.
+        Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
+        Patch(k.TorchAdam, "_parallel_update_step", optimizer_update.adam_update, wrap=True),
+        Patch(k.Model, "get_metrics_result", trainer.metrics_result, wrap=True),
+        Patch(k.Model, "fit", trainer.quiet_on_other_ranks, wrap=True),
+        Patch(k.Model, "evaluate", trainer.quiet_on_other_ranks, wrap=True),
+        Patch(k.Model, "predict", trainer.quiet_on_other_ranks, wrap=True),
+        # Files: Keras files from rank 0, sharded checkpoints for backups.
+        Patch(k.Model, "save", saving.save, wrap=True),
+        Patch(k.Model, "save_weights", saving.save_weights, wrap=True),
+        Patch(k.Model, "summary", saving.summary, wrap=True),
+        *[
+            Patch(store, name, replacement, wrap=True)
+            for store in k.KERAS_FILE_STORES
+            for name, replacement in (
+                ("__init__", saving.store_init),
+                ("close", saving.store_close),
+            )
+        ],
+        Patch(k.BackupAndRestore, "_save_model", checkpoint.backup_save, wrap=True),
+        Patch(k.BackupAndRestore, "_load_model", checkpoint.backup_load, wrap=True),
+        Patch(k.BackupAndRestore, "on_train_end", checkpoint.backup_train_end, wrap=True),
+    ]
+
+
+_MISSING = object()
+_installed = []
+
+
+def _bind(patch):
+    if not patch.wrap:
+        return patch.replacement
+    original, replacement = patch.original, patch.replacement
+
+    def patched(*args, **kwargs):
+        return replacement(original, *args, **kwargs)
+
+    patched.__name__ = getattr(original, "__name__", patch.name)
+    patched.__doc__ = getattr(original, "__doc__", None)
+    patched.__wrapped__ = original
+    return patched
+
+
+def install():
+    """Install the torch distribution backend into Keras. Idempotent.
+
+    In this order: check Keras; check every patch target; replace them;
+    let plain tensors meet DTensors as replicated values; register the
+    DTensor sharding rules torch lacks.
+    """
+    if _installed:
+        return
+    _keras.check_environment()
+    table = _patch_table()
+    missing = [p.describe() for p in table if not hasattr(p.owner, p.name)]
+    if missing:
+        raise ImportError(
+            "keras_torch_distribution cannot install into keras "
+            f"{keras.__version__}: these internals are missing: {missing}. "
+            f"Use keras{_keras.SUPPORTED_KERAS_TEXT}."
+        )
+    for patch in table:
+        patch.original = patch.owner.__dict__.get(patch.name, _MISSING)
+        patch.inherited = patch.original is _MISSING
+        if patch.inherited:
+            patch.original = getattr(patch.owner, patch.name)
+    for patch in table:
+        setattr(patch.owner, patch.name, _bind(patch))
+        _installed.append(patch)
+    variables.enable_implicit_replication()
+    sharding_rules.register()
+
+
+def uninstall():
+    """Put back every original Keras attribute `install()` replaced, and
+    clear the package's caches."""
+    if not _installed:
+        return
+    variables.disable_implicit_replication()
+    while _installed:
+        patch = _installed.pop()
+        if patch.inherited:
+            delattr(patch.owner, patch.name)
+        else:
+            setattr(patch.owner, patch.name, patch.original)
+    replicas.clear_cache()
+    layouts.clear_mesh_cache()
+
+
+def is_installed():
+    return bool(_installed)

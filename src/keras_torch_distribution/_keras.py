@@ -1,0 +1,269 @@
+"""The one seam between this package and Keras internals (`keras.src`).
+
+The bottom layer: it imports nothing from the package. Every other module
+reaches Keras internals only through the names below: the version check,
+read-only accessors (private attributes of Keras objects included), the
+Keras classes and modules that own patch targets (`_install.py` patches
+them) and the DataAdapter base.
+"""
+
+import contextlib
+import types
+
+import keras
+from keras.src import backend as keras_backend
+from keras.src.backend.common import global_state
+from keras.src.backend.common import name_scope
+from keras.src.backend.torch import core as torch_core
+from keras.src.backend.torch import nn as torch_nn
+from keras.src.backend.torch import random as torch_random
+from keras.src.distribution import distribution_lib as keras_distribution_lib
+from keras.src.initializers import constant_initializers
+from keras.src.initializers import random_initializers
+from keras.src.layers import layer as keras_layer
+from keras.src.layers.normalization import batch_normalization
+from keras.src.models import model as keras_model
+from keras.src.optimizers import base_optimizer
+from keras.src.random import seed_generator
+from keras.src.saving import saving_lib
+from keras.src.trainers import data_adapters
+from keras.src.trainers import epoch_iterator
+from keras.src.backend.torch import trainer as torch_trainer
+from keras.src.backend.torch.optimizers import torch_adam
+from keras.src.trainers.data_adapters import data_adapter
+from keras.src.utils import rng_utils
+
+SUPPORTED_KERAS = ((3, 15, 1), (3, 16, 0))  # [min, max)
+SUPPORTED_KERAS_TEXT = ">=3.15.1,<3.16"
+
+
+def _parse_version(text):
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def check_environment():
+    """Raise if Keras' backend or version is not one this package supports."""
+    backend_name = keras.backend.backend()
+    if backend_name != "torch":
+        raise ImportError(
+            "keras_torch_distribution needs the torch backend of Keras, but "
+            f"Keras runs the {backend_name!r} backend. Set "
+            "KERAS_BACKEND=torch before importing keras (for example "
+            "`KERAS_BACKEND=torch python train.py`)."
+        )
+    found = _parse_version(keras.__version__)
+    low, high = SUPPORTED_KERAS
+    if not (low <= found < high):
+        raise ImportError(
+            f"keras_torch_distribution supports keras{SUPPORTED_KERAS_TEXT}, "
+            f"but keras {keras.__version__} is installed. Install a supported "
+            f"version: pip install 'keras{SUPPORTED_KERAS_TEXT}'."
+        )
+
+
+# ---------------------------------------------------------------------------
+# Accessors used by the feature modules.
+# ---------------------------------------------------------------------------
+
+TorchVariable = torch_core.Variable
+torch_device = torch_core.get_device
+to_torch_dtype = torch_core.to_torch_dtype
+convert_to_numpy = torch_core.convert_to_numpy
+is_torch_dataloader = data_adapters.is_torch_dataloader
+
+
+def is_data_adapter(x):
+    return isinstance(x, data_adapter.DataAdapter)
+
+
+def is_generator(x):
+    return isinstance(x, types.GeneratorType)
+
+
+def layout_map_layouts(distribution):
+    """The TensorLayouts of a ModelParallel's LayoutMap (none for others)."""
+    layout_map = getattr(distribution, "_layout_map", None)
+    return list(layout_map.values()) if layout_map is not None else []
+
+
+def raw_value(variable):
+    """A variable's stored tensor (no autocast, no stateless scope)."""
+    return variable._value
+
+
+def optimizer_variables(optimizer):
+    """The trainable variables an optimizer was built with."""
+    return optimizer._trainable_variables
+
+
+def apply_count(optimizer):
+    """How many times `apply` ran (micro-steps, under gradient accumulation)."""
+    return int(optimizer._iterations)
+
+
+def gradient_accumulators(optimizer, variables):
+    """The gradient accumulator variable of each of `variables`."""
+    return [
+        optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
+        for v in variables
+    ]
+
+
+def adam_slots(optimizer, variables):
+    """(momentums, velocities, velocity hats or None) of `variables`, as
+    tensors, in the order of `variables` (Keras' Adam and AdamW)."""
+
+    def slots(kind):
+        return [kind[optimizer._get_variable_index(v)].value for v in variables]
+
+    hats = slots(optimizer._velocity_hats) if optimizer.amsgrad else None
+    return slots(optimizer._momentums), slots(optimizer._velocities), hats
+
+
+DataAdapter = data_adapter.DataAdapter  # the base class of Keras' data adapters
+
+
+def set_initial_epoch(model, epoch):
+    """Make the next `fit` start at `epoch` (as BackupAndRestore does)."""
+    model._initial_epoch = epoch
+
+
+def layer_seed_states(model):
+    """(layer name, [state variables of its SeedGenerators]) for every layer
+    of `model`, nested ones included."""
+    return [
+        (layer.name, [generator.state for generator in layer._seed_generators])
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+    ]
+
+
+def current_distribution():
+    """The distribution set with `keras.distribution.set_distribution`."""
+    return global_state.get_global_attribute("distribution")
+
+
+@contextlib.contextmanager
+def distribution_hidden():
+    """Hide the current distribution from Keras code run inside the block."""
+    saved = current_distribution()
+    global_state.set_global_attribute("distribution", None)
+    try:
+        yield saved
+    finally:
+        global_state.set_global_attribute("distribution", saved)
+
+
+def get_random_seed():
+    return rng_utils.get_random_seed()
+
+
+def set_random_seed(seed):
+    rng_utils.set_random_seed(seed)
+
+
+def keras_generator_for_seed(seed):
+    """The torch.Generator Keras' torch backend makes for `seed` (a seed int
+    or a SeedGenerator, which this advances exactly as Keras would)."""
+    return torch_random.torch_seed_generator(seed)
+
+
+def is_keras_seed_generator(seed):
+    """True for a `keras.random.SeedGenerator` (a layer's running seed)."""
+    return isinstance(seed, seed_generator.SeedGenerator)
+
+
+def dropout_uses_seed(seed, noise_shape):
+    """True when Keras' torch `dropout` draws its mask from `seed` (a
+    torch.Generator made from it), False when it calls torch's unseeded
+    `F.dropout` (torch's global generator): the test Keras makes."""
+    unseeded_generator = is_keras_seed_generator(seed) and seed._initial_seed is None
+    return (seed is not None and not unseeded_generator) or noise_shape is not None
+
+
+def batch_norm_reduction_axes(layer):
+    """The axes a BatchNormalization layer reduces over (all but its axis)."""
+    return layer._reduction_axes
+
+
+def model_step_function(model, kind):
+    """`model.train_function`, `test_function` or `predict_function`."""
+    return getattr(model, f"{kind}_function")
+
+
+def set_model_step_function(model, kind, function):
+    setattr(model, f"{kind}_function", function)
+
+
+def current_name_scope():
+    """The path of the Keras name scope open now ('' outside any), e.g. a
+    layer's path while Keras lays out its output."""
+    return name_scope.current_path()
+
+
+def in_outer_call():
+    """True when no Keras layer call is in progress (the next is outermost)."""
+    return global_state.get_global_attribute("current_call_ctx") is None
+
+
+RECORDABLE_INITIALIZER_CALLS = tuple(
+    cls.__call__
+    for cls in (
+        random_initializers.RandomNormal,
+        random_initializers.TruncatedNormal,
+        random_initializers.RandomUniform,
+        random_initializers.VarianceScaling,
+    )
+)
+
+
+@contextlib.contextmanager
+def initializers_drawing_from(random_module):
+    """Within the block, Keras' random initializers call `random_module`'s
+    normal / truncated_normal / uniform instead of keras.random's."""
+    saved = random_initializers.random
+    random_initializers.random = random_module
+    try:
+        yield
+    finally:
+        random_initializers.random = saved
+
+
+def initializer_kind(initializer):
+    """'zeros', 'ones', 'constant', 'identity' or None."""
+    kinds = {
+        constant_initializers.Zeros: "zeros",
+        constant_initializers.Ones: "ones",
+        constant_initializers.Constant: "constant",
+        constant_initializers.Identity: "identity",
+    }
+    for cls, kind in kinds.items():
+        if type(initializer).__call__ is cls.__call__:
+            return kind
+    return None
+
+
+
+
+# ---------------------------------------------------------------------------
+# The owners of the attributes `_install.py` replaces.
+# ---------------------------------------------------------------------------
+
+keras_backend_module = keras_backend
+keras_distribution_module = keras_distribution_lib
+torch_nn_module = torch_nn
+torch_core_module = torch_core
+Distribution = keras_distribution_lib.Distribution
+KERAS_FILE_STORES = (saving_lib.H5IOStore, saving_lib.ShardedH5IOStore, saving_lib.NpzIOStore)
+torch_random_module = torch_random
+BatchNormalization = batch_normalization.BatchNormalization
+Layer = keras_layer.Layer
+Model = keras_model.Model
+BaseOptimizer = base_optimizer.BaseOptimizer
+TorchAdam = torch_adam.Adam
+TorchTrainer = torch_trainer.TorchTrainer
+epoch_iterator_data_adapters = epoch_iterator.data_adapters
+BackupAndRestore = keras.callbacks.BackupAndRestore

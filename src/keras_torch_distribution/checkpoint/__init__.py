@@ -1,0 +1,89 @@
+"""Sharded checkpoints of Keras models over `torch.distributed.checkpoint`.
+
+    from keras_torch_distribution import checkpoint
+
+    checkpoint.save(model, "ckpt/epoch-3", extra={"epoch": 3})
+    extra = checkpoint.load(model, "ckpt/epoch-3")    # -> {"epoch": 3}
+
+What is stored, keyed by Keras variable paths (see `_keys`): the model's
+variables (``model/col/kernel``, SeedGenerator states), the optimizer's
+(``optimizer/iteration``, ``optimizer/col/kernel/momentum``) unless
+``optimizer=False``, and ``keras_checkpoint.json``: the format, the
+variables and their shapes, the number of processes that wrote it, the
+JSON-serializable ``extra`` (for example the epoch and step to resume from)
+and every file with its size, CRC-32 and the rank that wrote it.
+
+A variable whose layout shards it is saved as its DTensor, so each rank
+writes only its own shards; replicated variables (plain tensors) are written
+once (DCP de-duplicates them). Loading goes through DCP's planner into the
+target model's own tensors, so it reshards: a checkpoint written by 2
+processes with one mesh/LayoutMap loads on 1, 2 or 4 processes with another
+mesh, another LayoutMap or no distribution at all, each rank reading only
+the blocks it holds (plain targets read the full values).
+
+Trust: loading runs nothing from the checkpoint. DCP's `.metadata` is
+unpickled admitting only DCP's metadata classes (`_dcp`), tensors are read
+with `torch.load(weights_only=True)`, and every file is checked against its
+recorded size and CRC-32 before it is read. The checksums detect accidents
+(truncation, flipped bits), not forgery: whoever can write the checkpoint
+can rewrite its marker too.
+
+Completeness and crashes (`_files`): every rank writes into
+``<path>.incomplete``; rank 0 completes it with the marker and moves it into
+place, so a checkpoint being written when a process died is never loaded,
+and replacing one is crash-safe at every instant.
+
+Modules: `_keys` (Keras paths to keys), `_files` (completion, replacement,
+checksums), `_dcp` (save, async_save, load, the restricted metadata reader),
+`callbacks` (ShardedCheckpoint, BackupAndRestore), `inspect` (`ktd report`).
+"""
+
+from keras_torch_distribution.checkpoint._dcp import PendingCheckpoint
+from keras_torch_distribution.checkpoint._dcp import async_save
+from keras_torch_distribution.checkpoint._dcp import load
+from keras_torch_distribution.checkpoint._dcp import read_extra
+from keras_torch_distribution.checkpoint._dcp import save
+from keras_torch_distribution.checkpoint._errors import CheckpointError
+from keras_torch_distribution.checkpoint._errors import CheckpointMismatchError
+from keras_torch_distribution.checkpoint._errors import CheckpointReadError
+from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
+from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
+from keras_torch_distribution.checkpoint._errors import NotACheckpointError
+from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
+from keras_torch_distribution.checkpoint._files import FORMAT
+from keras_torch_distribution.checkpoint._files import FORMAT_VERSION
+from keras_torch_distribution.checkpoint._files import MARKER
+from keras_torch_distribution.checkpoint._files import is_checkpoint
+from keras_torch_distribution.checkpoint._files import read_marker
+from keras_torch_distribution.checkpoint._keys import variables_by_key
+from keras_torch_distribution.checkpoint.callbacks import ShardedCheckpoint
+from keras_torch_distribution.checkpoint.callbacks import backup_load
+from keras_torch_distribution.checkpoint.callbacks import backup_save
+from keras_torch_distribution.checkpoint.callbacks import backup_train_end
+from keras_torch_distribution.checkpoint.callbacks import latest
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MARKER",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointReadError",
+    "CheckpointWriteError",
+    "DamagedCheckpointError",
+    "NotACheckpointError",
+    "PendingCheckpoint",
+    "ShardedCheckpoint",
+    "UnsafeCheckpointError",
+    "async_save",
+    "backup_load",
+    "backup_save",
+    "backup_train_end",
+    "is_checkpoint",
+    "latest",
+    "load",
+    "read_extra",
+    "read_marker",
+    "save",
+    "variables_by_key",
+]

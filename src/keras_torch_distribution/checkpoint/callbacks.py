@@ -1,0 +1,250 @@
+"""Callbacks: `ShardedCheckpoint`, and BackupAndRestore in multi-process runs."""
+
+import os
+import re
+import shutil
+
+import keras
+
+from keras_torch_distribution import _keras
+from keras_torch_distribution import runtime
+import keras_torch_distribution.checkpoint._dcp as _dcp
+import keras_torch_distribution.checkpoint._files as _files
+from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
+from keras_torch_distribution.log import logger
+
+_NAME = re.compile(r"^ckpt-(\d+)$")
+# A checkpoint's name, or what a save or removal of it leaves while running.
+_ANY_STATE = re.compile(
+    r"^(ckpt-(\d+))(%s|%s|%s)?$" % tuple(
+        re.escape(s) for s in (
+            _files.INCOMPLETE_SUFFIX, _files.OLD_SUFFIX, _files.REMOVING_SUFFIX
+        )
+    )
+)
+
+
+def _steps(directory):
+    """{step: checkpoint path} of every `ckpt-<step>` name in `directory`,
+    complete or not (from its own name or its leftovers)."""
+    found = {}
+    for name in os.listdir(directory):
+        match = _ANY_STATE.match(name)
+        if match:
+            found[int(match.group(2))] = os.path.join(directory, match.group(1))
+    return found
+
+
+def latest(directory):
+    """The newest complete checkpoint `ShardedCheckpoint` wrote in
+    `directory` (the highest step), or None."""
+    directory = _files.normalize(directory)
+    if not os.path.isdir(directory):
+        return None
+    complete = [
+        (step, path) for step, path in _steps(directory).items()
+        if _files.is_checkpoint(path)
+    ]
+    return max(complete)[1] if complete else None
+
+
+def tidy(directory, max_to_keep=None):
+    """Settle every checkpoint of `directory` (finish interrupted
+    replacements, remove ``*.incomplete`` left by crashed saves and other
+    leftovers), then keep only the newest `max_to_keep` complete ones.
+    Rank 0 works between two barriers. Collective: call on every rank."""
+    _files.barrier()
+    if runtime.process_id() == 0 and os.path.isdir(directory):
+        steps = _steps(directory)
+        for step in sorted(steps):
+            _files.settle(steps[step])
+        complete = sorted(s for s in steps if _files.has_marker(steps[s]))
+        if max_to_keep is not None:
+            for step in complete[:-max_to_keep]:
+                _files.remove_checkpoint(steps[step])
+    _files.barrier()
+
+
+class ShardedCheckpoint(keras.callbacks.Callback):
+    """Save a sharded checkpoint every epoch (or every `save_freq` batches)
+    into `directory/ckpt-<step>`, with ``extra={"epoch", "batch", "step"}``.
+
+    `restore=True` loads the newest complete checkpoint of `directory` when
+    `fit` begins and resumes from the epoch after it (checkpoints taken in
+    the middle of an epoch resume at that epoch's start, as BackupAndRestore
+    does). `max_to_keep` keeps only the newest ones. What crashed saves left
+    (``ckpt-<step>.incomplete``) is removed when `fit` begins and after each
+    save. `async_save=True` writes in the background; each save completes
+    the previous one first and `fit` completes the last before it returns.
+    Every rank must run the callback (saving is collective).
+    """
+
+    def __init__(
+        self,
+        directory,
+        save_freq="epoch",
+        optimizer=True,
+        max_to_keep=None,
+        restore=False,
+        async_save=False,
+    ):
+        super().__init__()
+        if save_freq != "epoch" and not (
+            isinstance(save_freq, int) and save_freq > 0
+        ):
+            raise ValueError(
+                f"save_freq={save_freq!r} must be 'epoch' or a positive number "
+                "of batches."
+            )
+        if max_to_keep is not None and (
+            not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise ValueError(
+                f"max_to_keep={max_to_keep!r} must be None (keep all) or a "
+                "positive integer."
+            )
+        self.directory = _files.normalize(directory)
+        self.save_freq = save_freq
+        self.optimizer = optimizer
+        self.max_to_keep = max_to_keep
+        self.restore = restore
+        self.async_save = async_save
+        self._pending = None
+        self._step = 0
+        self._epoch = 0
+        self._batches_since_save = 0
+
+    def on_train_begin(self, logs=None):
+        self._step = 0
+        tidy(self.directory, self.max_to_keep)
+        if self.restore:
+            found = latest(self.directory)
+            if found is not None:
+                extra = _dcp.load(self.model, found, optimizer=self.optimizer) or {}
+                self._step = int(extra.get("step", 0))
+                _keras.set_initial_epoch(self.model, int(extra.get("epoch", 0)))
+                logger.info("resuming from %s (epoch %s)", found, extra.get("epoch"))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self.save_freq == "epoch":
+            return
+        self._batches_since_save += 1
+        if self._batches_since_save >= self.save_freq:
+            self._batches_since_save = 0
+            self._save(epoch=self._epoch, batch=batch + 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch":
+            self._save(epoch=epoch + 1, batch=0)
+
+    def on_train_end(self, logs=None):
+        self._complete_pending()
+
+    def _complete_pending(self):
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+            tidy(self.directory, self.max_to_keep)
+
+    def _save(self, epoch, batch):
+        self._complete_pending()
+        if runtime.process_id() == 0:
+            os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"ckpt-{self._step:09d}")
+        extra = {"epoch": epoch, "batch": batch, "step": self._step}
+        if self.async_save:
+            self._pending = _dcp.async_save(self.model, path, self.optimizer, extra)
+        else:
+            _dcp.save(self.model, path, self.optimizer, extra)
+            tidy(self.directory, self.max_to_keep)
+
+
+# ---------------------------------------------------------------------------
+# keras.callbacks.BackupAndRestore in multi-process runs.
+# ---------------------------------------------------------------------------
+#
+# Keras' BackupAndRestore writes `latest.weights.h5` and a JSON file of
+# metadata from every process, and removes the directory from every process
+# at the end: in a multi-process run the processes race (one removes what
+# another still writes), a process killed while writing leaves a torn file,
+# and the states of SeedGenerators (dropout) are not in the file, so a
+# resumed run draws other random numbers. In multi-process runs the patched
+# methods below back up into `backup_dir/latest.ckpt`, a sharded checkpoint
+# of this package (each rank writes its shards; the replacement of the
+# previous backup is crash-safe at every instant, see _files), and remove
+# the directory from rank 0 between barriers. One-process runs keep Keras'
+# own behaviour; a backup Keras wrote in one process is still restored in a
+# multi-process run.
+
+BACKUP_NAME = "latest.ckpt"
+PREVIOUS_BACKUP_NAME = "previous.ckpt"
+
+
+def _multi_process():
+    return runtime.num_processes() > 1
+
+
+def backup_save(original, callback):
+    """BackupAndRestore._save_model. Collective: call on every rank."""
+    if not _multi_process():
+        return original(callback)
+    latest_path = os.path.join(callback.backup_dir, BACKUP_NAME)
+    if runtime.process_id() == 0:
+        os.makedirs(callback.backup_dir, exist_ok=True)
+        if callback.double_checkpoint:
+            _files.settle(latest_path)
+            if _files.has_marker(latest_path):
+                previous = os.path.join(callback.backup_dir, PREVIOUS_BACKUP_NAME)
+                _files.settle(previous)
+                if os.path.exists(previous):
+                    _files.remove_checkpoint(previous)
+                _files._rename(latest_path, previous)
+    _files.barrier()
+    _dcp.save(
+        callback.model,
+        latest_path,
+        extra={"epoch": callback._current_epoch, "batch": callback._last_batch_seen},
+    )
+
+
+def backup_load(original, callback):
+    """BackupAndRestore._load_model. Collective: call on every rank."""
+    model = callback.model
+    if not model.built:
+        return original(callback)  # Keras' error for an unbuilt model
+    candidates = [os.path.join(callback.backup_dir, BACKUP_NAME)]
+    if callback.double_checkpoint:
+        candidates.append(os.path.join(callback.backup_dir, PREVIOUS_BACKUP_NAME))
+    candidates = [path for path in candidates if _files.is_checkpoint(path)]
+    for index, path in enumerate(candidates):
+        try:
+            extra = _dcp.load(model, path) or {}
+        except DamagedCheckpointError as error:
+            if index + 1 == len(candidates):
+                raise
+            logger.error(
+                "BackupAndRestore: the backup %s is damaged (%s); resuming "
+                "from the one before it, %s.", path, error, candidates[index + 1],
+            )
+            continue
+        _keras.set_initial_epoch(model, int(extra.get("epoch", 0)))
+        logger.info("BackupAndRestore: resuming at epoch %s from %s",
+                    extra.get("epoch"), path)
+        return None
+    return original(callback)
+
+
+def backup_train_end(original, callback, logs=None):
+    """BackupAndRestore.on_train_end. Collective: call on every rank."""
+    if not _multi_process():
+        return original(callback, logs)
+    if callback.delete_checkpoint:
+        _files.barrier()
+        if runtime.process_id() == 0 and os.path.exists(callback.backup_dir):
+            shutil.rmtree(callback.backup_dir)
+        _files.barrier()
+    return None

@@ -1,0 +1,232 @@
+"""Variables sharded on the batch axis: FSDP / ZeRO-3, the SimpleFSDP way.
+
+The batch axis of a mesh is always data: processes at different coordinates
+of it hold different rows of the global batch. A variable whose layout also
+shards a dim on the batch axis is stored sharded there (with its optimizer
+slots), and gathered along the batch axis for each use inside a layer call:
+
+    stored (Shard(d) on batch, p on model axes)
+      -> redistribute to Replicate on batch      all-gather; its backward is a
+                                                 reduce-scatter of the gradient
+      -> to_local(grad_placements=Partial on batch)   the gradients of the
+                                                 replicas' rows are partial sums
+      -> x (this replica's weight: batch weight / replicas)   average over rows
+      -> a plain tensor, or a DTensor of the model axes (p kept) when the
+         layout also shards a model axis (FSDP composed with tensor parallelism)
+
+This is torchtitan's SimpleFSDP (`redistribute` + `to_local(grad_placements=)`)
+on DTensor's own collectives: compute stays on local tensors, the gradient
+arrives reduce-scattered and averaged in the variable's own layout, so the
+trainer leaves it alone. Outside layer calls (the optimizer, saving, user
+code) a variable is its stored sharded DTensor, whose global value is the
+model's.
+
+Gathered weights are not kept for backward: while a training forward runs
+(`regathering_in_backward`), tensors that autograd saves which are views of a
+gathered weight are replaced by a token, and gathered again when backward
+needs them, so the peak is the shards plus the layers in use, as FSDP2's
+reshard-after-forward gives.
+"""
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
+
+from keras_torch_distribution import replicas
+from keras_torch_distribution import layouts
+from keras_torch_distribution import tensors
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """How one variable layout is gathered along the batch axis."""
+
+    mesh: object  # the variable's torch DeviceMesh
+    stored: tuple  # the variable's placements (Shard on the batch axis)
+    gathered: tuple  # the same with Replicate on the batch axis
+    grad: tuple  # the same with Partial on the batch axis
+    replicas: int  # the batch axis' size
+    shape: tuple  # the variable's global shape
+    plain: bool  # nothing sharded once gathered: use a plain tensor
+
+    def gather(self, value):
+        """`value` (a DTensor of `stored`) whole along the batch axis, for
+        computing on this replica's rows. Collective: call on every rank."""
+        gathered = value.redistribute(self.mesh, self.gathered)
+        local = gathered.to_local(grad_placements=self.grad)
+        if torch.is_grad_enabled() and local.requires_grad:
+            local = _ReplicaWeight.apply(local, replicas.batch_scale() / self.replicas)
+        if self.plain:
+            return local
+        return self.as_model_dtensor(local)
+
+    def as_model_dtensor(self, local):
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self.gathered,
+            run_check=False,
+            shape=torch.Size(self.shape),
+            stride=layouts.contiguous_stride(self.shape),
+        )
+
+
+_plans_exist = [False]
+
+
+def plans_exist():
+    """True once a variable of this process is sharded on the batch axis."""
+    return _plans_exist[0]
+
+
+def plan_for(torch_layout, shape, batch_axis):
+    """The GatherPlan of a variable of `shape` and `torch_layout` on a mesh
+    whose batch axis is named `batch_axis`; None when the layout does not
+    shard that axis (or the axis has one coordinate)."""
+    names = tuple(torch_layout.mesh.mesh_dim_names or ())
+    if batch_axis not in names:
+        return None
+    index = names.index(batch_axis)
+    replicas = torch_layout.mesh.size(index)
+    stored = tuple(torch_layout.placements)
+    if replicas == 1 or not isinstance(stored[index], Shard):
+        return None
+    gathered = stored[:index] + (Replicate(),) + stored[index + 1 :]
+    grad = stored[:index] + (Partial(),) + stored[index + 1 :]
+    _plans_exist[0] = True
+    return GatherPlan(
+        mesh=torch_layout.mesh,
+        stored=stored,
+        gathered=gathered,
+        grad=grad,
+        replicas=replicas,
+        shape=tuple(int(n) for n in shape),
+        plain=all(isinstance(p, Replicate) for p in gathered),
+    )
+
+
+class _ReplicaWeight(torch.autograd.Function):
+    """Identity forward; the gradient is multiplied by this replica's weight
+    (its rows' share of the global batch) before the batch axis sums it."""
+
+    @staticmethod
+    def forward(ctx, value, factor):
+        ctx.factor = factor
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A plain gathered weight used with DTensors gets a DTensor gradient.
+        return tensors.full_value(grad) * ctx.factor, None
+
+
+class _Regatherer:
+    """Saved-tensor hooks that keep no gathered weight between forward and
+    backward: a saved view of a gathered weight becomes a token, gathered
+    again when backward unpacks it (the same collectives on every rank, in
+    autograd's order)."""
+
+    def __init__(self):
+        # storage data_ptr of a gathered local tensor ->
+        #   (weakref to it, its storage offset, stored DTensor, plan)
+        self.gathered = {}
+
+    def register(self, stored, plan, view):
+        local = view._local_tensor if isinstance(view, DTensor) else view
+        if local.numel() == 0 or not local.is_contiguous():
+            return
+        self.gathered[local.untyped_storage().data_ptr()] = (
+            weakref.ref(local),
+            local.storage_offset(),
+            stored,
+            plan,
+        )
+
+    def pack(self, tensor):
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        if local.layout != torch.strided or local.numel() == 0:
+            return tensor
+        entry = self.gathered.get(local.untyped_storage().data_ptr())
+        if entry is None or entry[0]() is None:
+            return tensor
+        _, base_offset, stored, plan = entry
+        placements = tensor.placements if isinstance(tensor, DTensor) else None
+        return _Token(
+            stored,
+            plan,
+            placements,
+            tuple(tensor.shape),
+            tensor.stride() if placements is not None else None,
+            (tuple(local.shape), local.stride(), local.storage_offset() - base_offset),
+        )
+
+    @staticmethod
+    def unpack(packed):
+        if not isinstance(packed, _Token):
+            return packed
+        return packed.restore()
+
+
+@dataclass
+class _Token:
+    """What backward needs to gather a saved weight view again."""
+
+    stored: object
+    plan: GatherPlan
+    placements: tuple  # of the saved DTensor; None for a plain tensor
+    global_shape: tuple
+    global_stride: tuple
+    local_geometry: tuple  # (size, stride, offset from the gathered base)
+
+    def restore(self):
+        with torch.no_grad():
+            whole = self.stored.redistribute(self.plan.mesh, self.plan.gathered)
+            base = whole.to_local().contiguous()
+        size, stride, offset = self.local_geometry
+        view = base.as_strided(size, stride, base.storage_offset() + offset)
+        if self.placements is None:
+            return view
+        return DTensor.from_local(
+            view,
+            self.plan.mesh,
+            self.placements,
+            run_check=False,
+            shape=torch.Size(self.global_shape),
+            stride=self.global_stride,
+        )
+
+
+_active = [None]  # the _Regatherer of the training forward in progress
+
+
+@contextlib.contextmanager
+def regathering_in_backward():
+    """Within the block (a training forward), saved views of gathered
+    weights are gathered again in backward instead of being kept."""
+    if _active[0] is not None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        yield
+        return
+    regatherer = _Regatherer()
+    _active[0] = regatherer
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(regatherer.pack, regatherer.unpack):
+            yield
+    finally:
+        _active[0] = None
+        regatherer.gathered.clear()
+
+
+def gather_for_use(stored, plan):
+    """`stored` gathered along the batch axis (see GatherPlan.gather), noted
+    for regathering in backward when a training forward is in progress."""
+    view = plan.gather(stored)
+    regatherer = _active[0]
+    if regatherer is not None and view.requires_grad:
+        regatherer.register(stored, plan, view)
+    return view

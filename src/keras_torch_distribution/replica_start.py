@@ -1,0 +1,124 @@
+"""Copies of a variable start equal: one broadcast before a model's first step.
+
+Processes seeded differently (`keras.utils.set_random_seed(1000 + rank)`, a
+common way to vary augmentation) initialize replicated variables
+differently, and data-parallel training would keep them apart. As
+DistributedDataParallel broadcasts parameters and buffers from rank 0 when it
+wraps a module, the first train, test or predict step of each model under a
+distribution makes every copy of its variables (weights, non-trainable
+state, seed generator states) equal to the first copy:
+
+- a plain variable (whole on every process): broadcast from rank 0;
+- a sharded variable: its block, along each mesh axis that does not shard
+  it (the processes there hold copies of one block), from that axis'
+  coordinate 0. Blocks sharded on every axis are left as they are.
+
+Flat broadcasts per process group and dtype, in buckets; a one-time cost
+per model (see `benchmarks/one_device_numbers.py`). Variables created after
+the first step, and training loops that call the model and
+`optimizer.apply` themselves, are not covered.
+
+Replaces, through the seam, Keras' `make_train_function` /
+`make_test_function` / `make_predict_function` (after this package's own:
+`compiled` and `trainer`), wrapping the step function they make.
+"""
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+
+from keras_torch_distribution import _keras
+from keras_torch_distribution import compiled
+from keras_torch_distribution import gradients
+from keras_torch_distribution import runtime
+from keras_torch_distribution import trainer
+from keras_torch_distribution.log import logger
+
+_equal = weakref.WeakKeyDictionary()  # model -> True once its copies are equal
+
+
+def make_train_function(original, model, force=False):
+    result = compiled.make_train_function(original, model, force)
+    return _starting_equal(model, "train", result)
+
+
+def make_test_function(original, model, force=False):
+    result = compiled.make_test_function(original, model, force)
+    return _starting_equal(model, "test", result)
+
+
+def make_predict_function(original, model, force=False):
+    result = trainer.make_predict_function(original, model, force)
+    return _starting_equal(model, "predict", result)
+
+
+def _starting_equal(model, kind, result):
+    """Wrap the model's `kind` step function so that its first call under
+    a distribution on several processes runs `equalize(model)`."""
+    function = _keras.model_step_function(model, kind)
+    if (
+        function is None
+        or getattr(function, "_ktd_starts_equal", False)
+        or _keras.current_distribution() is None
+    ):
+        return result
+    model_ref = weakref.ref(model)
+
+    def step_starting_equal(data):
+        owner = model_ref()
+        if owner is not None and owner not in _equal and runtime.num_processes() > 1:
+            equalize(owner)
+        return function(data)
+
+    step_starting_equal.__dict__.update(function.__dict__)  # the _ktd_* marks
+    step_starting_equal._ktd_starts_equal = True
+    _keras.set_model_step_function(model, kind, step_starting_equal)
+    return step_starting_equal if result is function else result
+
+
+def equalize(model):
+    """Make every copy of `model`'s variables equal to the first copy (see
+    the module docstring). Collective: call on every rank."""
+    with torch.no_grad():
+        count = _equalize(model.variables)
+    _equal[model] = True
+    logger.debug("Made %d variable blocks of model %r equal across replicas.", count, model.name)
+
+
+def _equalize(variables):
+    groups = {}  # process group -> (source rank, [local tensors])
+    for variable in variables:
+        value = _keras.raw_value(variable)
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            for axis, placement in enumerate(value.placements):
+                if isinstance(placement, Replicate) and mesh.size(axis) > 1:
+                    group = mesh.get_group(axis)
+                    _add(groups, group, dist.get_global_rank(group, 0), value.to_local())
+        else:
+            _add(groups, dist.group.WORLD, 0, value)
+    count = 0
+    for group, (source, tensors) in groups.items():
+        for bucket in gradients._buckets(tensors):
+            _broadcast(bucket, source, group)
+            count += len(bucket)
+    return count
+
+
+def _add(groups, group, source, tensor):
+    if tensor.numel():
+        groups.setdefault(group, (source, []))[1].append(tensor)
+
+
+def _broadcast(bucket, source, group):
+    views = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in bucket]
+    flat = torch.cat([t.reshape(-1) for t in views])
+    dist.broadcast(flat, src=source, group=group)
+    offset = 0
+    for t in views:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n

@@ -1,0 +1,535 @@
+"""Checkpoints that are hostile, damaged, unwritable or half-replaced.
+
+- A `.metadata` whose pickle would run a command is refused, naming the file
+  and the class, by `checkpoint.load`, `ShardedCheckpoint(restore=True)`,
+  `BackupAndRestore` (2 ranks) and `ktd report`; the command never runs.
+  `.keras` files keep Keras' safe_mode under a distribution.
+- A shard with a flipped byte or cut short is refused on every rank, naming
+  the file and the rank that wrote it; `ktd report` calls it damaged.
+- A full disk (a 1 MiB tmpfs, or a file layer that fills up when mounting is
+  not possible) and a file-size limit (RLIMIT_FSIZE on rank 1) raise
+  CheckpointWriteError naming the file, the rank and the OS error on every
+  rank; a truncated shard of a checkpoint without checksums raises
+  CheckpointReadError naming the file and its writer.
+- BackupAndRestore resumes from the last complete backup whatever step of
+  replacing `latest.ckpt` rank 0 stopped at (the directory is copied before
+  each step, as a crash there would leave it), with the weights of an
+  uninterrupted run; `*.incomplete` folders left by crashes are removed;
+  an `async_save` never completed with `.result()` is completed at exit.
+"""
+
+import contextlib
+import errno
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from test_checkpoint import SAVE_RULES
+from test_checkpoint import _assert_same
+from test_checkpoint import _data
+from test_checkpoint import _distribute
+from test_checkpoint import _model
+from test_checkpoint import _resume_fit
+from test_checkpoint import _values
+from test_checkpoint import train_and_save
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _big_model():
+    """About 1.5 MiB of weights and Adam slots, half per rank when sharded."""
+    import keras
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [
+            keras.Input((256,)),
+            keras.layers.Dense(512, name="col"),
+            keras.layers.Dense(4, name="row"),
+        ],
+        name="big",
+    )
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _error(call):
+    """What `call()` raised (type name, message, path, rank), or None; torch's
+    CheckpointException is a BaseException."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        call()
+    except (Exception, CheckpointException) as error:  # returned to the test
+        return (type(error).__name__, str(error), getattr(error, "path", None),
+                getattr(error, "rank", None))
+    return None
+
+
+def _rewrite_marker(path, change):
+    from keras_torch_distribution import checkpoint
+
+    marker_path = os.path.join(path, checkpoint.MARKER)
+    with open(marker_path) as f:
+        marker = json.load(f)
+    change(marker)
+    with open(marker_path, "w") as f:
+        json.dump(marker, f)
+
+
+def _record_file(path, name):
+    """Make the marker agree with the file `name` as it now is (what someone
+    who alters a checkpoint on purpose would do)."""
+    data = open(os.path.join(path, name), "rb").read()
+
+    def change(marker):
+        if "files" in marker:  # (absent in checkpoints older than checksums)
+            marker["files"][name].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
+
+    _rewrite_marker(path, change)
+
+
+# ---------------------------------------------------------------------------
+# 1. Nothing in a checkpoint is run.
+# ---------------------------------------------------------------------------
+
+
+class _RunsACommand:
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.flag}",))
+
+
+def _poison(path, flag):
+    """Give the checkpoint's DCP metadata planner data that runs `touch flag`
+    when unpickled (and loads fine otherwise), and record its checksum."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(path).read_metadata()  # our own file
+    metadata.planner_data = _RunsACommand(flag)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    _record_file(path, ".metadata")
+
+
+def open_malicious(path, run_directory, backup_dir):
+    import keras
+
+    from keras_torch_distribution import checkpoint
+
+    _distribute(SAVE_RULES)
+    x, y = _data()
+    errors = {"load": _error(lambda: checkpoint.load(_model(), path))}
+    callback = checkpoint.ShardedCheckpoint(run_directory, restore=True)
+    errors["ShardedCheckpoint"] = _error(
+        lambda: _model().fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+    )
+    callback = keras.callbacks.BackupAndRestore(backup_dir)
+    errors["BackupAndRestore"] = _error(
+        lambda: _model().fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+    )
+    return errors
+
+
+def test_malicious_metadata_runs_nothing_and_names_the_class(pool2, tmp_path, capsys):
+    from keras_torch_distribution import checkpoint
+    from keras_torch_distribution import cli
+
+    flag = tmp_path / "ran"
+    source = tmp_path / "source"
+    checkpoint.save(_model(), source, extra={"epoch": 1, "step": 4, "batch": 0})
+    paths = {
+        "load": tmp_path / "ckpt",
+        "ShardedCheckpoint": tmp_path / "run" / "ckpt-000000004",
+        "BackupAndRestore": tmp_path / "backup" / "latest.ckpt",
+    }
+    for path in paths.values():
+        shutil.copytree(source, path)
+        _poison(str(path), str(flag))
+    errors = pool2.run(
+        open_malicious, str(paths["load"]), str(tmp_path / "run"), str(tmp_path / "backup")
+    )
+    assert not flag.exists()  # the command never ran
+    for rank_errors in errors:
+        for what, path in paths.items():
+            kind, message, where, _ = rank_errors[what]
+            assert kind == "UnsafeCheckpointError", (what, message)
+            assert "posix.system" in message and str(path / ".metadata") in message
+            assert where == str(path / ".metadata")
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="posix.system"):
+        checkpoint.load(_model(), paths["load"])
+    assert cli.main(["report", str(paths["load"])]) == 2
+    report = capsys.readouterr().err
+    assert "posix.system" in report and ".metadata" in report
+    assert not flag.exists()  # the command never ran
+
+
+def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from keras_torch_distribution import checkpoint
+
+    path = tmp_path / "ckpt"
+    checkpoint.save(_model(), path)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()  # our own file
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    _record_file(str(path), ".metadata")
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="not one of the checkpoint's files"):
+        checkpoint.load(_model(), path)
+
+
+def save_and_load_keras_file_with_a_lambda(path):
+    import keras
+
+    from keras_torch_distribution import runtime
+
+    _distribute(SAVE_RULES)
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, name="col"),
+            keras.layers.Lambda(lambda t: t * 2.0, name="double"),
+            keras.layers.Dense(4, name="row"),
+        ]
+    )
+    model.save(path)  # collective; rank 0 writes
+    assert os.path.exists(path), runtime.process_id()
+    return _error(lambda: keras.saving.load_model(path))
+
+
+def test_keras_file_loading_keeps_safe_mode_under_a_distribution(pool2, tmp_path):
+    for kind, message, _, _ in pool2.run(
+        save_and_load_keras_file_with_a_lambda, str(tmp_path / "lambda.keras")
+    ):
+        assert kind == "ValueError"
+        assert "safe_mode" in message and "Lambda" in message
+
+
+# ---------------------------------------------------------------------------
+# 2. Damaged files are named, with the rank that wrote them.
+# ---------------------------------------------------------------------------
+
+
+def load_errors(path):
+    from keras_torch_distribution import checkpoint
+
+    _distribute(SAVE_RULES)
+    return _error(lambda: checkpoint.load(_model(), path))
+
+
+def test_flipped_or_truncated_shard_is_refused_naming_file_and_writer(pool2, tmp_path, capsys):
+    from keras_torch_distribution import cli
+
+    path = str(tmp_path / "ckpt")
+    pool2.run(train_and_save, path)
+    shard = os.path.join(path, "__1_0.distcp")
+    original = open(shard, "rb").read()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x10
+    cases = {"flipped": (bytes(flipped), "CRC-32"), "truncated": (original[:-100], "truncated")}
+    for name, (content, says) in cases.items():
+        with open(shard, "wb") as f:
+            f.write(content)
+        for kind, message, where, rank in pool2.run(load_errors, path):
+            assert kind == "DamagedCheckpointError", (name, message)
+            assert where == shard and rank == 1
+            assert "written by rank 1" in message and says in message
+        assert cli.main(["report", path]) == 2
+        report = capsys.readouterr()
+        assert "damaged" in report.err and "__1_0.distcp" in report.err, report
+        assert "written by rank 1" in report.err
+    with open(shard, "wb") as f:
+        f.write(original)
+    assert cli.main(["report", path]) == 0
+    assert "intact: every file has the size and CRC-32" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------
+# 3. Errors name the file, the rank and the operating system's error.
+# ---------------------------------------------------------------------------
+
+
+class _FillingFile:
+    """A file on a disk with `room` bytes left (shared by every file)."""
+
+    room = 0
+
+    def __init__(self, raw):
+        self._raw = raw
+
+    def write(self, data):
+        size = memoryview(data).nbytes
+        if size > _FillingFile.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _FillingFile.room -= size
+        return self._raw.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self._raw.close()
+
+
+def save_errors(path, fill_after=None, size_limit_rank=None):
+    """Save the big model; a disk that fills after `fill_after` bytes (the
+    fake layer), or a 64 KiB file-size limit on rank `size_limit_rank`."""
+    import resource
+    import signal
+
+    from keras_torch_distribution import checkpoint
+    from keras_torch_distribution import runtime
+
+    _distribute({r".*col/kernel": (None, "model"), r".*col/bias": ("model",)})
+    model = _big_model()
+    limit = runtime.process_id() == size_limit_rank
+    with contextlib.ExitStack() as undo:
+        if fill_after is not None:
+            from keras_torch_distribution.checkpoint import _dcp
+
+            _FillingFile.room = fill_after
+            undo.callback(setattr, _dcp, "_open", _dcp._open)
+            _dcp._open = lambda p, mode: _FillingFile(open(p, mode))
+        if limit:
+            soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            undo.callback(signal.signal, signal.SIGXFSZ, signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
+            undo.callback(resource.setrlimit, resource.RLIMIT_FSIZE, (soft, hard))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+        error = _error(lambda: checkpoint.save(model, path))
+    return error, checkpoint.is_checkpoint(path)
+
+
+@contextlib.contextmanager
+def _small_disk(directory):
+    """A 1 MiB tmpfs at `directory` (yields None), or, where mounting is not
+    allowed, the bytes the fake file layer lets each rank write (less than
+    either rank's part of the big model)."""
+    os.makedirs(directory)
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", directory],
+        capture_output=True,
+    ).returncode == 0
+    try:
+        yield None if mounted else 256 * 1024
+    finally:
+        if mounted:
+            subprocess.run(["umount", directory], check=True)
+
+
+def _assert_names_the_failure(error, says):
+    kind, message, where, rank = error
+    assert kind == "CheckpointWriteError", message
+    assert where.endswith(f"__{rank}_0.distcp"), (where, message)
+    assert f"Rank {rank} could not write checkpoint file" in message
+    assert says in message and where in message
+
+
+def test_full_disk_and_file_size_limit_name_file_rank_and_os_error(pool2, tmp_path):
+    full = str(tmp_path / "full")
+    with _small_disk(full) as fill_after:
+        results = pool2.run(save_errors, os.path.join(full, "ckpt"), fill_after)
+    for error, complete in results:
+        _assert_names_the_failure(error, "No space left on device")
+        assert not complete
+    assert results[0][0] == results[1][0]  # the same error on every rank
+    path = str(tmp_path / "limited" / "ckpt")
+    for error, complete in pool2.run(save_errors, path, None, 1):
+        _assert_names_the_failure(error, "File too large")
+        assert error[3] == 1 and not complete
+
+
+def test_truncated_shard_without_checksums_names_file_and_writer(pool2, tmp_path):
+    path = str(tmp_path / "ckpt")
+    pool2.run(train_and_save, path)
+
+    def as_version_1(marker):  # written before checksums
+        marker["format_version"] = 1
+        marker.pop("files", None)
+
+    _rewrite_marker(path, as_version_1)
+    shard = os.path.join(path, "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    for kind, message, where, rank in pool2.run(load_errors, path):
+        assert kind == "CheckpointReadError", message
+        assert where == shard and rank == 1
+        assert "(written by rank 1)" in message and shard in message
+
+
+# ---------------------------------------------------------------------------
+# 6. Recovery: a crash at each step of a replacement, leftovers, async exit.
+# ---------------------------------------------------------------------------
+
+
+def backup_with_snapshots(backup_dir, snapshots):
+    """fit 3 epochs with BackupAndRestore; on rank 0, copy the backup folder
+    before each rename or removal that replaces the epoch-1 backup by the
+    epoch-2 one (what rank 0 dying there would leave), and once after."""
+    import keras
+
+    from keras_torch_distribution import runtime
+    from keras_torch_distribution.checkpoint import _files
+
+    _distribute(SAVE_RULES)
+    model = _model()
+    x, y = _data()
+    during = {"epoch": None}
+
+    def snapshot():
+        if runtime.process_id() == 0 and during["epoch"] == 1:
+            count = len(os.listdir(snapshots))
+            shutil.copytree(backup_dir, os.path.join(snapshots, f"{count:02d}"))
+
+    def stopping_first(step):
+        def wrapped(*args):
+            snapshot()
+            return step(*args)
+
+        return wrapped
+
+    class Track(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            during["epoch"] = epoch  # runs before the backup's on_epoch_end
+
+        def on_epoch_begin(self, epoch, logs=None):
+            snapshot()  # after the replacement
+            during["epoch"] = None
+
+    os.makedirs(snapshots, exist_ok=True)
+    rename, rmtree = _files._rename, _files._rmtree
+    _files._rename, _files._rmtree = stopping_first(rename), stopping_first(rmtree)
+    try:
+        model.fit(
+            x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+            callbacks=[Track(), keras.callbacks.BackupAndRestore(backup_dir)],
+        )
+    finally:
+        _files._rename, _files._rmtree = rename, rmtree
+    return _values(model)
+
+
+def resume(backup_dir):
+    """fit 3 epochs with BackupAndRestore(backup_dir): (epochs run, values)."""
+    return _resume_fit(backup_dir, None, kill=False, epochs=3)
+
+
+def test_backup_resumes_from_the_last_complete_backup_after_a_crash_at_each_step(
+    pool2, tmp_path
+):
+    snapshots = tmp_path / "snapshots"
+    reference = pool2.run(backup_with_snapshots, str(tmp_path / "backup"), str(snapshots))[0]
+    names = sorted(os.listdir(snapshots))
+    # marker in place, latest -> old, incomplete -> latest, old -> removing,
+    # removing removed; then the state after all of them.
+    assert len(names) == 6, names
+    for index, name in enumerate(names):
+        for seen, values in pool2.run(resume, str(snapshots / name)):
+            # Until the marker is in place the new backup is incomplete: the
+            # epoch-1 backup is the last complete one; from then on epoch 2's.
+            assert seen == ([1, 2] if index == 0 else [2]), (name, sorted(os.listdir(snapshots / name)))
+            _assert_same(values, reference)
+
+
+def fit_over_leftovers(directory, max_to_keep):
+    from keras_torch_distribution import checkpoint
+
+    _distribute(SAVE_RULES)
+    model = _model()
+    x, y = _data()
+    callback = checkpoint.ShardedCheckpoint(directory, max_to_keep=max_to_keep, restore=True)
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
+    return sorted(os.listdir(directory))
+
+
+def test_incomplete_folders_are_removed_and_max_to_keep_counts_complete_ones(pool2, tmp_path):
+    from keras_torch_distribution import checkpoint
+
+    directory = tmp_path / "run"
+    model = _model()
+    model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+    checkpoint.save(model, directory / "ckpt-000000004",
+                    extra={"epoch": 1, "batch": 0, "step": 4})
+    for leftover in ("ckpt-000000008.incomplete", "ckpt-000000002.removing"):
+        (directory / leftover).mkdir()
+        (directory / leftover / "__1_0.distcp").write_bytes(b"partial")
+    # Resumes after epoch 1 and saves after epochs 2 and 3.
+    assert pool2.run(fit_over_leftovers, str(directory), None)[0] == [
+        "ckpt-000000004", "ckpt-000000008", "ckpt-000000012"
+    ]
+    (directory / "ckpt-000000016.incomplete").mkdir()
+    assert pool2.run(fit_over_leftovers, str(directory), 2)[0] == [
+        "ckpt-000000008", "ckpt-000000012"
+    ]
+
+
+def async_never_completed(path):
+    import logging
+
+    from keras_torch_distribution import checkpoint
+    from keras_torch_distribution.checkpoint import _dcp
+    from keras_torch_distribution.log import logger
+
+    _distribute(SAVE_RULES)
+    model = _model()
+    model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+    checkpoint.async_save(model, path, extra={"epoch": 1})  # no .result()
+    pending_early = checkpoint.is_checkpoint(path)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        _dcp.complete_at_exit()  # what atexit runs
+    finally:
+        logger.removeHandler(handler)
+    return pending_early, checkpoint.is_checkpoint(path), [r.getMessage() for r in records], _values(model)
+
+
+def test_async_save_never_completed_is_completed_at_exit(pool2, tmp_path):
+    from keras_torch_distribution import checkpoint
+
+    # A real exit of a one-process script that never calls .result().
+    script = (
+        "import os, sys; os.environ['KERAS_BACKEND'] = 'torch'\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from test_checkpoint import _model\n"
+        "from keras_torch_distribution import checkpoint\n"
+        "checkpoint.async_save(_model(), sys.argv[1], extra={'epoch': 7})\n"
+    )
+    one = str(tmp_path / "one")
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run(
+        [sys.executable, "-c", script, one, os.path.dirname(os.path.abspath(__file__))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert checkpoint.is_checkpoint(one), done.stderr[-3000:]
+    assert checkpoint.read_extra(one) == {"epoch": 7}
+    assert "never completed with .result(); completing it at exit" in done.stderr
+
+    # On 2 ranks, what the exit hook does (the pool's ranks do not exit).
+    path = str(tmp_path / "async")
+    results = pool2.run(async_never_completed, path)
+    for rank, (early, complete, messages, _) in enumerate(results):
+        assert early is False and complete is True
+        if rank == 0:  # the package logs from rank 0
+            assert any("never completed with .result()" in m for m in messages), messages
+    model = _model()
+    assert checkpoint.load(model, path) == {"epoch": 1}
+    _assert_same(_values(model), results[0][3])

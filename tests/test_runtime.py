@@ -1,0 +1,281 @@
+"""Starting the process group: what `initialize()` hands torch (mocked, no
+ranks spawned, as Keras' JAX distribution_lib test mocks
+jax.distributed.initialize), the errors of a launch without one, and every
+wait bounded by KTD_TIMEOUT_SECONDS (two processes, with a timeout).
+"""
+
+import datetime
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from unittest import mock
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+from keras_torch_distribution import runtime  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class _Stop(RuntimeError):
+    """Raised by the mocked init_process_group: initialize() ends there."""
+
+
+@pytest.fixture
+def torch_start(monkeypatch):
+    """Records what initialize() hands torch's rendezvous and
+    init_process_group (which then raises _Stop); no process group starts."""
+    monkeypatch.setenv("KTD_TIMEOUT_SECONDS", "7")
+    monkeypatch.setenv("KTD_DEVICE", "cpu")
+    monkeypatch.setattr(runtime, "is_initialized", lambda: False)
+    store = mock.Mock(name="store")
+    calls = mock.Mock()
+
+    def rendezvous(url, rank, world_size, timeout):
+        calls.rendezvous(url, rank, world_size, timeout=timeout)
+        yield store, rank, world_size
+
+    calls.init_process_group.side_effect = _Stop
+    monkeypatch.setattr(runtime.dist, "rendezvous", rendezvous)
+    monkeypatch.setattr(runtime.dist, "init_process_group", calls.init_process_group)
+    return calls, store
+
+
+_SEVEN_SECONDS = datetime.timedelta(seconds=7)
+
+
+@pytest.mark.parametrize("job_addresses, num_processes, url", [
+    ("10.0.0.1:1234", 2, "tcp://10.0.0.1:1234"),
+    ("10.0.0.1:1234,10.0.0.2:1234", 2, "tcp://10.0.0.1:1234"),
+    ("node-a", 2, "tcp://node-a:29500"),  # no port: torchrun's default
+    ("[::1]", 2, "tcp://[::1]:29500"),
+    ("[::1]:1234", 2, "tcp://[::1]:1234"),
+    ("fe80::1", 2, "tcp://[fe80::1]:29500"),
+    ("tcp://10.0.0.1:1234", 2, "tcp://10.0.0.1:1234"),
+    ("file:///tmp/ktd-rendezvous", 2, "file:///tmp/ktd-rendezvous"),
+])
+def test_initialize_hands_torch_the_coordinator_and_the_timeout(
+        torch_start, job_addresses, num_processes, url):
+    calls, store = torch_start
+    with pytest.raises(RuntimeError, match=r"could not start process 1 of 2 at "):
+        keras.distribution.initialize(job_addresses, num_processes, 1)
+    assert calls.mock_calls == [
+        mock.call.rendezvous(url, 1, 2, timeout=_SEVEN_SECONDS),
+        mock.call.init_process_group(backend="gloo", store=store, world_size=2, rank=1,
+                                     timeout=_SEVEN_SECONDS),
+    ]
+    store.set_timeout.assert_called_once_with(_SEVEN_SECONDS)
+
+
+def test_initialize_from_the_launcher_environment(torch_start, monkeypatch):
+    calls, store = torch_start
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
+                       "MASTER_PORT": "1234"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(RuntimeError, match=(
+            r"could not start process 1 of 2 at env:// \(MASTER_ADDR='10.0.0.1', "
+            r"MASTER_PORT='1234'\) within KTD_TIMEOUT_SECONDS=7 s")):
+        keras.distribution.initialize()
+    assert calls.mock_calls == [
+        mock.call.rendezvous("env://", -1, -1, timeout=_SEVEN_SECONDS),
+        mock.call.init_process_group(backend="gloo", store=store, world_size=-1, rank=-1,
+                                     timeout=_SEVEN_SECONDS),
+    ]
+
+
+def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
+    """On CUDA, the process computes on GPU LOCAL_RANK % device_count."""
+    from keras_torch_distribution import seeds
+
+    calls, store = torch_start
+    calls.init_process_group.side_effect = None  # the group "starts"
+    monkeypatch.delenv("KTD_DEVICE")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(runtime.torch.cuda, "set_device", calls.set_device)
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(seeds, "initialize_rng", calls.initialize_rng)
+    keras.distribution.initialize("10.0.0.1:1234", 4, 3)
+    assert calls.mock_calls == [
+        mock.call.rendezvous("tcp://10.0.0.1:1234", 3, 4, timeout=_SEVEN_SECONDS),
+        mock.call.init_process_group(backend="cpu:gloo,cuda:nccl", store=store,
+                                     world_size=4, rank=3, timeout=_SEVEN_SECONDS),
+        mock.call.set_device(1),
+        mock.call.initialize_rng(),
+    ]
+
+
+@pytest.mark.parametrize("job_addresses", ["node-a:0", "node-a:70000", "node-a:",
+                                           ":1234", "node-a:port", "[::1]x"])
+def test_job_addresses_that_are_not_an_address(torch_start, job_addresses):
+    with pytest.raises(ValueError, match=(
+            rf"^job_addresses={re.escape(repr(job_addresses))} is not 'host:port' or "
+            r"'host' \(process 0's address first; port 29500 when left out\) nor an init "
+            r"URL such as 'tcp://host:port' or 'file:///path'. Give e.g. "
+            r"job_addresses='10.0.0.1:1234'.$")):
+        keras.distribution.initialize(job_addresses, 2, 1)
+    assert torch_start[0].mock_calls == []
+
+
+def test_a_launch_without_its_environment_says_how_to_start(monkeypatch):
+    """WORLD_SIZE says 2 processes but nothing says where the others are:
+    every entry point says what is missing and how to fix it, instead of
+    acting as one process or starting a group that cannot form."""
+    monkeypatch.setattr(runtime, "is_initialized", lambda: False)
+    for key in _LAUNCHER_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    expected = (
+        "This process is one of WORLD_SIZE=2 processes, but torch.distributed is not "
+        "initialized yet and the environment lacks MASTER_ADDR, MASTER_PORT to start "
+        "it. Call keras.distribution.initialize() first, on every process, with "
+        "job_addresses='host:port' (process 0's), num_processes=2 and process_id (this "
+        "process's index); or launch the script with `ktd run -n 2 script.py` or "
+        "torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+    )
+    mesh = keras.distribution.DeviceMesh((2,), ["model"], ["cpu:0", "cpu:1"])
+    for use in (keras.distribution.list_devices, keras.distribution.DataParallel,
+                lambda: mesh.backend_mesh):
+        with pytest.raises(RuntimeError) as caught:
+            use()
+        assert str(caught.value) == expected
+
+
+def test_a_bad_world_size_is_named(monkeypatch):
+    monkeypatch.setattr(runtime, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"^WORLD_SIZE='two' is not a number of processes"):
+        keras.distribution.list_devices()
+
+
+# --------------------------------------------------------------------------
+# Two processes: a coordinator port held by a program that never answers
+# --------------------------------------------------------------------------
+
+
+class _SilentPorts:
+    """Ports held by programs that never answer: one accepts connections and
+    stays silent, one listens and never accepts, one is closed."""
+
+    def __enter__(self):
+        self.sockets = {}
+        for kind in ("accepts", "listens"):
+            held = socket.socket()
+            held.bind(("127.0.0.1", 0))
+            held.listen(8)
+            self.sockets[kind] = held
+        self.accepted = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            ports = {"closed": closed.getsockname()[1]}
+        ports.update({kind: s.getsockname()[1] for kind, s in self.sockets.items()})
+        return ports
+
+    def _accept(self):
+        listener = self.sockets["accepts"]
+        while True:
+            try:
+                self.accepted.append(listener.accept()[0])
+            except OSError:  # __exit__ closed the listener: the test is over
+                return
+
+    def __exit__(self, *exc_info):
+        for held in [*self.sockets.values(), *self.accepted]:
+            held.close()
+        self.thread.join(10)
+
+
+_TRY_EACH_PORT = """
+import json, sys, time
+import keras, keras_torch_distribution
+
+process_id, ports = int(sys.argv[1]), json.loads(sys.argv[2])
+for kind, port in ports.items():
+    start = time.monotonic()
+    try:
+        keras.distribution.initialize(
+            job_addresses=f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+        found = None
+    except RuntimeError as error:
+        found = str(error)
+    print("RESULT", json.dumps([kind, found, time.monotonic() - start]), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_initialize_ends_within_the_timeout_when_nothing_answers():
+    """Process 0 cannot host the coordinator on a held port; process 1
+    reaches something that never answers (or nothing at all): both end
+    within KTD_TIMEOUT_SECONDS plus a margin, saying what to do."""
+    timeout = 2
+    env = dict(os.environ, KERAS_BACKEND="torch", KTD_DEVICE="cpu", OMP_NUM_THREADS="1",
+               KTD_TIMEOUT_SECONDS=str(timeout))
+    for key in _LAUNCHER_VARIABLES:
+        env.pop(key, None)
+    with _SilentPorts() as ports:
+        # Process 0 on the closed port would host a coordinator there.
+        held = {kind: ports[kind] for kind in ("accepts", "listens")}
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(_TRY_EACH_PORT), str(process_id),
+                 json.dumps(held if process_id == 0 else ports)],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True,
+            )
+            for process_id in (0, 1)
+        ]
+        try:
+            outputs = [p.communicate(timeout=240) for p in processes]
+        finally:
+            for p in processes:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    results = {}
+    for process_id, (stdout, stderr) in enumerate(outputs):
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT")]
+        assert len(lines) == (2 if process_id == 0 else 3), stdout + stderr[-3000:]
+        for line in lines:
+            kind, message, seconds = json.loads(line[len("RESULT"):])
+            results[process_id, kind] = message, seconds
+    for (process_id, kind), (message, seconds) in results.items():
+        assert message is not None, (process_id, kind)
+        assert seconds < timeout + 6, (process_id, kind, seconds)
+        assert message.startswith(
+            f"torch.distributed could not start process {process_id} of 2 at "
+            f"tcp://127.0.0.1:{ports[kind]} within KTD_TIMEOUT_SECONDS={timeout} s: "
+        ), message
+    for kind in ("accepts", "listens"):
+        message, seconds = results[0, kind]
+        assert seconds < timeout, seconds  # refused at once
+        assert message.endswith(
+            f"Another program holds port {ports[kind]} on this host, where process 0 "
+            "hosts the coordinator. Give every process the same free port "
+            "(job_addresses='host:PORT', or MASTER_PORT), or stop the program that "
+            "holds it."
+        ), message
+        message, _ = results[1, kind]
+        assert message.endswith(
+            f"no torch.distributed store answered at 127.0.0.1:{ports[kind]}. Either "
+            "process 0 has not started its coordinator there (start it, or raise "
+            "KTD_TIMEOUT_SECONDS if it starts slowly), or another program holds that "
+            "port and does not answer (process 0 then fails at once with 'address "
+            "already in use'): give every process the same free port."
+        ), message
+    # Nothing listens: torch's own timeout, or ours if torch overruns it.
+    message, _ = results[1, "closed"]
+    assert "raise KTD_TIMEOUT_SECONDS if" in message, message

@@ -1,0 +1,182 @@
+"""The package's structure: layers without an import circle, one seam.
+
+LAYERS lists the package's modules bottom first; a module imports only
+modules listed before it (at module level or inside functions), so there
+is no import circle. Only `_keras.py` imports `keras.src`.
+"""
+
+import ast
+import os
+
+import pytest
+
+import keras_torch_distribution
+
+PACKAGE_DIR = os.path.dirname(keras_torch_distribution.__file__)
+PACKAGE = "keras_torch_distribution"
+
+LAYERS = [
+    "_keras",  # the only importer of keras.src
+    "_env",  # KTD_* settings
+    "log",
+    "seeds",  # every process agrees on seeds (runtime seeds a new group)
+    "runtime",
+    "layouts",
+    "tensors",
+    "replicas",
+    "distribution_lib",
+    "sharding_rules",
+    "sharded_init",
+    "fsdp",
+    "variables",
+    "data",
+    "random_slices",
+    "sync_batch_norm",
+    "gradients",
+    "overlap",
+    "optimizer_update",
+    "boundary",
+    "compiled",
+    "saving",
+    "agreement",
+    "trainer",
+    "replica_start",
+    "checkpoint._errors",
+    "checkpoint._keys",
+    "checkpoint._files",
+    "checkpoint._dcp",
+    "checkpoint.callbacks",
+    "checkpoint.inspect",
+    "checkpoint",
+    "report",
+    "_install",  # the patch table
+    "__init__",
+    "launch",
+    "cli",
+    "__main__",
+    "testing",
+]
+
+
+def _modules(package_dir):
+    """Module name (relative to the package; a package's __init__ by the
+    package's name) -> source file."""
+    found = {}
+    for directory, _, files in os.walk(package_dir):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            parts = os.path.relpath(path, package_dir)[: -len(".py")].split(os.sep)
+            if parts[-1] == "__init__" and len(parts) > 1:
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _package_imports(module, path, known):
+    """The package modules `module` imports, resolved to names of `known`."""
+    imported = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+            names = []
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = [] if module == "__init__" else module.split(".")
+                if not path.endswith("__init__.py"):
+                    parts = parts[:-1]  # a module's package
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([PACKAGE] + parts + ([base] if base else []))
+            targets = [base]
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target != PACKAGE and not target.startswith(PACKAGE + "."):
+                continue
+            inner = target[len(PACKAGE) + 1 :]
+            submodules = [f"{inner}.{n}".strip(".") for n in names]
+            resolved = [m for m in submodules if m in known]
+            if resolved:
+                imported.update(resolved)
+            elif inner:
+                imported.add(inner)
+            else:
+                imported.add("__init__")
+    imported.discard(module)
+    return imported
+
+
+def _keras_src_importers(package_dir):
+    offenders = []
+    for module, path in sorted(_modules(package_dir).items()):
+        if module == "_keras":
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+                if node.module == "keras":
+                    names += [f"keras.{a.name}" for a in node.names]
+            if any(n == "keras.src" or n.startswith("keras.src.") for n in names):
+                offenders.append(module)
+                break
+    return offenders
+
+
+def layer_violations(package_dir, layers):
+    """(module, imported module) pairs where a module imports one that is
+    not listed before it; modules missing from `layers` are named too."""
+    modules = _modules(package_dir)
+    unlisted = sorted(set(modules) - set(layers))
+    position = {name: index for index, name in enumerate(layers)}
+    violations = []
+    for module in sorted(set(modules) & set(layers)):
+        for imported in sorted(_package_imports(module, modules[module], modules)):
+            if position.get(imported, len(layers)) >= position[module]:
+                violations.append((module, imported))
+    return unlisted, violations
+
+
+def test_every_module_imports_only_layers_below_it():
+    unlisted, violations = layer_violations(PACKAGE_DIR, LAYERS)
+    assert unlisted == [], f"add {unlisted} to LAYERS in {__file__}"
+    assert violations == [], (
+        "these imports go up (or sideways) in the layer order, which allows "
+        f"import circles: {violations}"
+    )
+
+
+def test_only_the_seam_imports_keras_src():
+    offenders = _keras_src_importers(PACKAGE_DIR)
+    assert offenders == [], (
+        f"{offenders} import keras.src; only _keras.py may reach Keras "
+        "internals. Add an accessor to _keras.py and use it."
+    )
+
+
+@pytest.fixture
+def fake_package(tmp_path):
+    package = tmp_path / PACKAGE
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "_keras.py").write_text("from keras.src import backend\n")
+    (package / "low.py").write_text("import keras\n")
+    (package / "high.py").write_text(
+        f"from {PACKAGE} import low\n\ndef f():\n    from {PACKAGE} import top\n"
+    )
+    (package / "top.py").write_text(f"from {PACKAGE} import high\nfrom keras import src\n")
+    (package / "sub" / "__init__.py").write_text("from . import leaf\n")
+    (package / "sub" / "leaf.py").write_text("from keras.src.utils import rng_utils\n")
+    return str(package)
+
+
+def test_the_checks_find_offenders(fake_package):
+    layers = ["_keras", "low", "high", "top", "sub.leaf", "sub", "__init__"]
+    assert layer_violations(fake_package, layers) == ([], [("high", "top")])
+    assert layer_violations(fake_package, layers[:-1]) == (["__init__"], [("high", "top")])
+    assert _keras_src_importers(fake_package) == ["sub.leaf", "top"]
