@@ -1,6 +1,26 @@
-"""Small helpers shared by the tests (models, data, comparisons)."""
+"""Helpers shared by several test files: test files import from here, never
+from one another.
+
+`tests/` is on sys.path (tests/conftest.py puts it there), so test modules
+import this one as `helpers`, and so do the pool's worker processes (spawned
+workers get the parent's sys.path) when they unpickle a function defined
+here. A script run in a subprocess puts `TESTS` on its own sys.path first.
+Functions that run on the ranks import keras / torch inside.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import zlib
 
 import numpy as np
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)  # the repository: the working directory of launches
+# What torchrun sets for each rank (tests clear them, or check none leaks).
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def data(rows=64, features=6, outputs=3, seed=0):
@@ -12,3 +32,248 @@ def data(rows=64, features=6, outputs=3, seed=0):
 
 def max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in zip(a, b))
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------
+# Errors raised on the ranks, returned to the pytest process
+# ---------------------------------------------------------------------------
+
+
+def error_of(function, *args, **kwargs):
+    """(type name, message) of what `function` raised, or None."""
+    try:
+        function(*args, **kwargs)
+    except (ValueError, RuntimeError, TypeError) as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def assert_error(found, kind, pattern):
+    assert found is not None, f"expected {kind} matching {pattern!r}, nothing raised"
+    assert found[0] == kind, found
+    assert re.search(pattern, found[1], re.S), found[1]
+
+
+def model_parallel(devices, rules, shape=None, axis_names=("model",)):
+    """ModelParallel over `devices` on a mesh of `shape` (default: all of
+    them on one axis), with a LayoutMap of {pattern: axes} `rules`."""
+    import keras
+
+    mesh = keras.distribution.DeviceMesh(
+        shape or (len(devices),), list(axis_names), devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for pattern, axes in rules.items():
+        layout_map[pattern] = axes
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
+# ---------------------------------------------------------------------------
+# Training numbers: fit / evaluate / predict against one process
+# (multiprocess/test_training.py, multiprocess/test_compile.py)
+# ---------------------------------------------------------------------------
+
+FEATURES, OUTPUTS = 6, 3
+
+
+def set_distribution(kind):
+    """None (no distribution), "dp", "mp" (a ("model",) mesh over every
+    process) or "hybrid" (2 x N/2 ("batch", "model")), with rules for a
+    model whose layers are named "hidden" and "out"."""
+    import keras
+
+    devices = keras.distribution.list_devices()
+    if kind == "dp":
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+    elif kind in ("mp", "hybrid"):
+        if kind == "mp":
+            mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+        else:
+            mesh = keras.distribution.DeviceMesh((2, len(devices) // 2), ["batch", "model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*hidden.*kernel"] = (None, "model")
+        layout_map[".*hidden.*bias"] = ("model",)
+        layout_map[".*out.*kernel"] = ("model", None)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map)
+        )
+
+
+def assert_same_training(results, reference, atol=2e-5):
+    """Each rank's (weights, history, evaluation, predictions) against one
+    process's; every rank reports identical logs."""
+    ref_weights, ref_history, ref_eval, ref_pred = reference
+    for rank, (weights, history, evaluation, predictions) in enumerate(results):
+        for w, r in zip(weights, ref_weights):
+            np.testing.assert_allclose(w, r, atol=atol, rtol=1e-4, err_msg=f"rank {rank}")
+        assert history.keys() == ref_history.keys()
+        for key in ref_history:
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4, atol=atol)
+        np.testing.assert_allclose(evaluation, ref_eval, rtol=1e-4, atol=atol)
+        np.testing.assert_allclose(predictions, ref_pred, rtol=1e-4, atol=atol)
+    # Every rank reports identical logs.
+    for weights, history, evaluation, _ in results[1:]:
+        assert history == results[0][1]
+        assert evaluation == results[0][2]
+
+
+# ---------------------------------------------------------------------------
+# Sharded checkpoints (unit/test_checkpoint_files.py,
+# multiprocess/test_checkpoint*.py, e2e/test_checkpoint_process_exit.py)
+# ---------------------------------------------------------------------------
+
+SAVE_RULES = {
+    r".*col/kernel": (None, "model"),
+    r".*col/bias": ("model",),
+    r".*row/kernel": ("model", None),
+}
+
+
+def checkpoint_model(width=16, last="row"):
+    """A compiled 6 -> width -> 4 model with dropout, seeded."""
+    import keras
+
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(width, activation="relu", name="col"),
+            keras.layers.Dropout(0.25, seed=7, name="drop"),
+            keras.layers.Dense(4, name=last),
+        ],
+        name="net",
+    )
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def distribute(rules, mesh_shape=None, axis_names=("model",)):
+    """Set ModelParallel with {pattern: axes} `rules` (None: no distribution)."""
+    import keras
+
+    if rules is None:
+        keras.distribution.set_distribution(None)
+        return
+    devices = keras.distribution.list_devices()
+    keras.distribution.set_distribution(
+        model_parallel(devices, rules, mesh_shape, axis_names)
+    )
+
+
+def checkpoint_data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = rng.normal(size=(32, 4)).astype("float32")
+    return x, y
+
+
+def checkpoint_values(model):
+    """{checkpoint key: global value} of the model's and optimizer's variables.
+    Collective: call on every rank."""
+    from keras_torch_distribution import checkpoint
+
+    return {k: np.asarray(v) for k, v in checkpoint.variables_by_key(model).items()}
+
+
+def placements_of(model):
+    """{variable path: str(placements)} of the model's DTensor variables."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        v.path: str(v.value.placements)
+        for v in model.variables
+        if isinstance(v.value, DTensor)
+    }
+
+
+def assert_same_values(got, want):
+    """Two {key: value} dicts hold the same keys and exactly equal values."""
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def train_and_save(path, rules=SAVE_RULES):
+    """On the ranks: fit 2 epochs, save to `path`, fit one more. (values
+    saved, values after the extra epoch, placements)."""
+    from keras_torch_distribution import checkpoint
+
+    distribute(rules)
+    model = checkpoint_model()
+    x, y = checkpoint_data()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    checkpoint.save(model, path, extra={"epoch": 2, "step": 8})
+    saved = checkpoint_values(model)
+    # Training on from here is what a resumed run must reproduce.
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return saved, checkpoint_values(model), placements_of(model)
+
+
+EPOCHS = 5
+KILL_AFTER_EPOCH = 2
+
+
+def resume_fit(backup_dir, record, kill, epochs=EPOCHS):
+    """fit with BackupAndRestore(backup_dir): (epochs run, values). `kill`:
+    rank 1 kills itself (SIGKILL) after epoch KILL_AFTER_EPOCH. `record`:
+    rank 0 also writes record.npz (values) and record.json (epochs run,
+    whether the backup is left)."""
+    import keras
+
+    from keras_torch_distribution import runtime
+
+    distribute(SAVE_RULES)
+    model = checkpoint_model()
+    x, y = checkpoint_data()
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append(epoch)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if kill and epoch + 1 == KILL_AFTER_EPOCH and runtime.process_id() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks = [keras.callbacks.BackupAndRestore(backup_dir), Record()]
+    model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=callbacks,
+    )
+    values = checkpoint_values(model)
+    if record and runtime.process_id() == 0:
+        np.savez(record + ".npz", **{k.replace("/", "|"): v for k, v in values.items()})
+        with open(record + ".json", "w") as f:
+            json.dump({"seen": seen, "backup_left": os.path.exists(backup_dir)}, f)
+    return seen, values
+
+
+def rewrite_marker(path, change):
+    """Apply `change` to the checkpoint's marker (its JSON, as a dict)."""
+    from keras_torch_distribution import checkpoint
+
+    marker_path = os.path.join(path, checkpoint.MARKER)
+    with open(marker_path) as f:
+        marker = json.load(f)
+    change(marker)
+    with open(marker_path, "w") as f:
+        json.dump(marker, f)
+
+
+def record_file(path, name):
+    """Make the marker agree with the file `name` as it now is (what someone
+    who alters a checkpoint on purpose would do)."""
+    data = open(os.path.join(path, name), "rb").read()
+
+    def change(marker):
+        if "files" in marker:  # (absent in checkpoints older than checksums)
+            marker["files"][name].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
+
+    rewrite_marker(path, change)

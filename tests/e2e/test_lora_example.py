@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
+from helpers import ROOT
+
 pytest.importorskip(
     "keras_hub",
     reason="keras_hub is not installed; .ci/run installs it with: pip install "
     "--no-deps keras-hub==0.32.0 (the test extra holds what it needs)",
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _printed(stdout, prefix):

@@ -1,4 +1,5 @@
-"""Checkpoints that are hostile, damaged, unwritable or half-replaced.
+"""Checkpoints that are hostile, damaged, unwritable or half-replaced, on
+gloo ranks.
 
 - A `.metadata` whose pickle would run a command is refused, naming the file
   and the class, by `checkpoint.load`, `ShardedCheckpoint(restore=True)`,
@@ -14,32 +15,32 @@
 - BackupAndRestore resumes from the last complete backup whatever step of
   replacing `latest.ckpt` rank 0 stopped at (the directory is copied before
   each step, as a crash there would leave it), with the weights of an
-  uninterrupted run; `*.incomplete` folders left by crashes are removed;
-  an `async_save` never completed with `.result()` is completed at exit.
+  uninterrupted run; `*.incomplete` folders left by crashes are removed.
+
+Metadata pointing outside the checkpoint (one process) is in
+unit/test_checkpoint_files.py; an `async_save` never completed with
+`.result()` being completed at exit is in e2e/test_checkpoint_process_exit.py.
 """
 
 import contextlib
 import errno
-import json
 import os
 import pickle
 import shutil
 import subprocess
-import sys
-import zlib
 
 import pytest
 
-from test_checkpoint import SAVE_RULES
-from test_checkpoint import _assert_same
-from test_checkpoint import _data
-from test_checkpoint import _distribute
-from test_checkpoint import _model
-from test_checkpoint import _resume_fit
-from test_checkpoint import _values
-from test_checkpoint import train_and_save
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import SAVE_RULES
+from helpers import assert_same_values
+from helpers import checkpoint_data
+from helpers import checkpoint_model
+from helpers import checkpoint_values
+from helpers import distribute
+from helpers import record_file
+from helpers import resume_fit
+from helpers import rewrite_marker
+from helpers import train_and_save
 
 
 def _big_model():
@@ -73,29 +74,6 @@ def _error(call):
     return None
 
 
-def _rewrite_marker(path, change):
-    from keras_torch_distribution import checkpoint
-
-    marker_path = os.path.join(path, checkpoint.MARKER)
-    with open(marker_path) as f:
-        marker = json.load(f)
-    change(marker)
-    with open(marker_path, "w") as f:
-        json.dump(marker, f)
-
-
-def _record_file(path, name):
-    """Make the marker agree with the file `name` as it now is (what someone
-    who alters a checkpoint on purpose would do)."""
-    data = open(os.path.join(path, name), "rb").read()
-
-    def change(marker):
-        if "files" in marker:  # (absent in checkpoints older than checksums)
-            marker["files"][name].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
-
-    _rewrite_marker(path, change)
-
-
 # ---------------------------------------------------------------------------
 # 1. Nothing in a checkpoint is run.
 # ---------------------------------------------------------------------------
@@ -118,7 +96,7 @@ def _poison(path, flag):
     metadata.planner_data = _RunsACommand(flag)
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
-    _record_file(path, ".metadata")
+    record_file(path, ".metadata")
 
 
 def open_malicious(path, run_directory, backup_dir):
@@ -126,16 +104,16 @@ def open_malicious(path, run_directory, backup_dir):
 
     from keras_torch_distribution import checkpoint
 
-    _distribute(SAVE_RULES)
-    x, y = _data()
-    errors = {"load": _error(lambda: checkpoint.load(_model(), path))}
+    distribute(SAVE_RULES)
+    x, y = checkpoint_data()
+    errors = {"load": _error(lambda: checkpoint.load(checkpoint_model(), path))}
     callback = checkpoint.ShardedCheckpoint(run_directory, restore=True)
     errors["ShardedCheckpoint"] = _error(
-        lambda: _model().fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+        lambda: checkpoint_model().fit(x, y, epochs=1, verbose=0, callbacks=[callback])
     )
     callback = keras.callbacks.BackupAndRestore(backup_dir)
     errors["BackupAndRestore"] = _error(
-        lambda: _model().fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+        lambda: checkpoint_model().fit(x, y, epochs=1, verbose=0, callbacks=[callback])
     )
     return errors
 
@@ -146,7 +124,7 @@ def test_malicious_metadata_runs_nothing_and_names_the_class(pool2, tmp_path, ca
 
     flag = tmp_path / "ran"
     source = tmp_path / "source"
-    checkpoint.save(_model(), source, extra={"epoch": 1, "step": 4, "batch": 0})
+    checkpoint.save(checkpoint_model(), source, extra={"epoch": 1, "step": 4, "batch": 0})
     paths = {
         "load": tmp_path / "ckpt",
         "ShardedCheckpoint": tmp_path / "run" / "ckpt-000000004",
@@ -166,28 +144,11 @@ def test_malicious_metadata_runs_nothing_and_names_the_class(pool2, tmp_path, ca
             assert "posix.system" in message and str(path / ".metadata") in message
             assert where == str(path / ".metadata")
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="posix.system"):
-        checkpoint.load(_model(), paths["load"])
+        checkpoint.load(checkpoint_model(), paths["load"])
     assert cli.main(["report", str(paths["load"])]) == 2
     report = capsys.readouterr().err
     assert "posix.system" in report and ".metadata" in report
     assert not flag.exists()  # the command never ran
-
-
-def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    from keras_torch_distribution import checkpoint
-
-    path = tmp_path / "ckpt"
-    checkpoint.save(_model(), path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()  # our own file
-    for info in metadata.storage_data.values():
-        info.relative_path = "../../etc/passwd"
-    with open(path / ".metadata", "wb") as f:
-        pickle.dump(metadata, f)
-    _record_file(str(path), ".metadata")
-    with pytest.raises(checkpoint.UnsafeCheckpointError, match="not one of the checkpoint's files"):
-        checkpoint.load(_model(), path)
 
 
 def save_and_load_keras_file_with_a_lambda(path):
@@ -195,7 +156,7 @@ def save_and_load_keras_file_with_a_lambda(path):
 
     from keras_torch_distribution import runtime
 
-    _distribute(SAVE_RULES)
+    distribute(SAVE_RULES)
     keras.utils.set_random_seed(5)
     model = keras.Sequential(
         [
@@ -226,8 +187,8 @@ def test_keras_file_loading_keeps_safe_mode_under_a_distribution(pool2, tmp_path
 def load_errors(path):
     from keras_torch_distribution import checkpoint
 
-    _distribute(SAVE_RULES)
-    return _error(lambda: checkpoint.load(_model(), path))
+    distribute(SAVE_RULES)
+    return _error(lambda: checkpoint.load(checkpoint_model(), path))
 
 
 def test_flipped_or_truncated_shard_is_refused_naming_file_and_writer(pool2, tmp_path, capsys):
@@ -296,7 +257,7 @@ def save_errors(path, fill_after=None, size_limit_rank=None):
     from keras_torch_distribution import checkpoint
     from keras_torch_distribution import runtime
 
-    _distribute({r".*col/kernel": (None, "model"), r".*col/bias": ("model",)})
+    distribute({r".*col/kernel": (None, "model"), r".*col/bias": ("model",)})
     model = _big_model()
     limit = runtime.process_id() == size_limit_rank
     with contextlib.ExitStack() as undo:
@@ -362,7 +323,7 @@ def test_truncated_shard_without_checksums_names_file_and_writer(pool2, tmp_path
         marker["format_version"] = 1
         marker.pop("files", None)
 
-    _rewrite_marker(path, as_version_1)
+    rewrite_marker(path, as_version_1)
     shard = os.path.join(path, "__1_0.distcp")
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
@@ -386,9 +347,9 @@ def backup_with_snapshots(backup_dir, snapshots):
     from keras_torch_distribution import runtime
     from keras_torch_distribution.checkpoint import _files
 
-    _distribute(SAVE_RULES)
-    model = _model()
-    x, y = _data()
+    distribute(SAVE_RULES)
+    model = checkpoint_model()
+    x, y = checkpoint_data()
     during = {"epoch": None}
 
     def snapshot():
@@ -421,12 +382,12 @@ def backup_with_snapshots(backup_dir, snapshots):
         )
     finally:
         _files._rename, _files._rmtree = rename, rmtree
-    return _values(model)
+    return checkpoint_values(model)
 
 
 def resume(backup_dir):
     """fit 3 epochs with BackupAndRestore(backup_dir): (epochs run, values)."""
-    return _resume_fit(backup_dir, None, kill=False, epochs=3)
+    return resume_fit(backup_dir, None, kill=False, epochs=3)
 
 
 def test_backup_resumes_from_the_last_complete_backup_after_a_crash_at_each_step(
@@ -443,15 +404,15 @@ def test_backup_resumes_from_the_last_complete_backup_after_a_crash_at_each_step
             # Until the marker is in place the new backup is incomplete: the
             # epoch-1 backup is the last complete one; from then on epoch 2's.
             assert seen == ([1, 2] if index == 0 else [2]), (name, sorted(os.listdir(snapshots / name)))
-            _assert_same(values, reference)
+            assert_same_values(values, reference)
 
 
 def fit_over_leftovers(directory, max_to_keep):
     from keras_torch_distribution import checkpoint
 
-    _distribute(SAVE_RULES)
-    model = _model()
-    x, y = _data()
+    distribute(SAVE_RULES)
+    model = checkpoint_model()
+    x, y = checkpoint_data()
     callback = checkpoint.ShardedCheckpoint(directory, max_to_keep=max_to_keep, restore=True)
     model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
     return sorted(os.listdir(directory))
@@ -461,8 +422,8 @@ def test_incomplete_folders_are_removed_and_max_to_keep_counts_complete_ones(poo
     from keras_torch_distribution import checkpoint
 
     directory = tmp_path / "run"
-    model = _model()
-    model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model = checkpoint_model()
+    model.fit(*checkpoint_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
     checkpoint.save(model, directory / "ckpt-000000004",
                     extra={"epoch": 1, "batch": 0, "step": 4})
     for leftover in ("ckpt-000000008.incomplete", "ckpt-000000002.removing"):
@@ -476,60 +437,3 @@ def test_incomplete_folders_are_removed_and_max_to_keep_counts_complete_ones(poo
     assert pool2.run(fit_over_leftovers, str(directory), 2)[0] == [
         "ckpt-000000008", "ckpt-000000012"
     ]
-
-
-def async_never_completed(path):
-    import logging
-
-    from keras_torch_distribution import checkpoint
-    from keras_torch_distribution.checkpoint import _dcp
-    from keras_torch_distribution.log import logger
-
-    _distribute(SAVE_RULES)
-    model = _model()
-    model.fit(*_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-    checkpoint.async_save(model, path, extra={"epoch": 1})  # no .result()
-    pending_early = checkpoint.is_checkpoint(path)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
-        _dcp.complete_at_exit()  # what atexit runs
-    finally:
-        logger.removeHandler(handler)
-    return pending_early, checkpoint.is_checkpoint(path), [r.getMessage() for r in records], _values(model)
-
-
-def test_async_save_never_completed_is_completed_at_exit(pool2, tmp_path):
-    from keras_torch_distribution import checkpoint
-
-    # A real exit of a one-process script that never calls .result().
-    script = (
-        "import os, sys; os.environ['KERAS_BACKEND'] = 'torch'\n"
-        "sys.path.insert(0, sys.argv[2])\n"
-        "from test_checkpoint import _model\n"
-        "from keras_torch_distribution import checkpoint\n"
-        "checkpoint.async_save(_model(), sys.argv[1], extra={'epoch': 7})\n"
-    )
-    one = str(tmp_path / "one")
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(
-        [sys.executable, "-c", script, one, os.path.dirname(os.path.abspath(__file__))],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert checkpoint.is_checkpoint(one), done.stderr[-3000:]
-    assert checkpoint.read_extra(one) == {"epoch": 7}
-    assert "never completed with .result(); completing it at exit" in done.stderr
-
-    # On 2 ranks, what the exit hook does (the pool's ranks do not exit).
-    path = str(tmp_path / "async")
-    results = pool2.run(async_never_completed, path)
-    for rank, (early, complete, messages, _) in enumerate(results):
-        assert early is False and complete is True
-        if rank == 0:  # the package logs from rank 0
-            assert any("never completed with .result()" in m for m in messages), messages
-    model = _model()
-    assert checkpoint.load(model, path) == {"epoch": 1}
-    _assert_same(_values(model), results[0][3])

@@ -7,7 +7,10 @@ frames - 1, the model's outermost call being one code object)."""
 import numpy as np
 import pytest
 
-from test_training import FEATURES, OUTPUTS, _assert_same, _set_distribution
+from helpers import FEATURES
+from helpers import OUTPUTS
+from helpers import assert_same_training
+from helpers import set_distribution
 
 ROWS, BATCH = 64, 16  # whole batches only: one compiled shape for fit
 
@@ -43,7 +46,7 @@ def compiled_train(kind, jit_compile=True, epochs=2, prebuilt=False):
 
     torch._dynamo.reset()
     counters.clear()
-    _set_distribution(kind)
+    set_distribution(kind)
     model = _model(jit_compile)
     x, y = _data()
     prebuilt_steps = None
@@ -78,7 +81,7 @@ def _compile_counters():
 
 def _check(results, kind, epochs=2):
     reference = compiled_train(None, jit_compile=False, epochs=epochs)[:4]
-    _assert_same([r[:4] for r in results], reference)
+    assert_same_training([r[:4] for r in results], reference)
     for rank, result in enumerate(results):
         report = result[4]
         print(
@@ -154,7 +157,7 @@ def fallback_train():
     handler = Capture()
     logger.addHandler(handler)
     try:
-        _set_distribution("dp")
+        set_distribution("dp")
         keras.utils.set_random_seed(7)
         inputs = keras.Input((FEATURES,), name="features")
         hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)

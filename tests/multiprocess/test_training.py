@@ -4,27 +4,12 @@ compared with one process training on the global batch."""
 import numpy as np
 import pytest
 
-ROWS, FEATURES, OUTPUTS = 72, 6, 3  # 72 rows, batch 16: a last batch of 8
+from helpers import FEATURES
+from helpers import OUTPUTS
+from helpers import assert_same_training
+from helpers import set_distribution
 
-
-def _set_distribution(kind):
-    import keras
-
-    devices = keras.distribution.list_devices()
-    if kind == "dp":
-        keras.distribution.set_distribution(keras.distribution.DataParallel())
-    elif kind in ("mp", "hybrid"):
-        if kind == "mp":
-            mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
-        else:
-            mesh = keras.distribution.DeviceMesh((2, len(devices) // 2), ["batch", "model"], devices)
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map[".*hidden.*kernel"] = (None, "model")
-        layout_map[".*hidden.*bias"] = ("model",)
-        layout_map[".*out.*kernel"] = ("model", None)
-        keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layout_map)
-        )
+ROWS = 72  # 72 rows, batch 16: a last batch of 8
 
 
 def _model(optimizer="adam", accumulation=None):
@@ -80,7 +65,7 @@ def train(kind, optimizer="adam", shuffle=False, inputs="numpy", accumulation=No
     """Train; return weights, history, evaluate and predict results."""
     import keras
 
-    _set_distribution(kind)
+    set_distribution(kind)
     model = _model(optimizer, accumulation)
     x, y = _data()
     args, kwargs = _inputs(inputs, x, y, batch_size)
@@ -96,52 +81,36 @@ def _reference(**kwargs):
     return train(None, **kwargs)
 
 
-def _assert_same(results, reference, atol=2e-5):
-    ref_weights, ref_history, ref_eval, ref_pred = reference
-    for rank, (weights, history, evaluation, predictions) in enumerate(results):
-        for w, r in zip(weights, ref_weights):
-            np.testing.assert_allclose(w, r, atol=atol, rtol=1e-4, err_msg=f"rank {rank}")
-        assert history.keys() == ref_history.keys()
-        for key in ref_history:
-            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4, atol=atol)
-        np.testing.assert_allclose(evaluation, ref_eval, rtol=1e-4, atol=atol)
-        np.testing.assert_allclose(predictions, ref_pred, rtol=1e-4, atol=atol)
-    # Every rank reports identical logs.
-    for weights, history, evaluation, _ in results[1:]:
-        assert history == results[0][1]
-        assert evaluation == results[0][2]
-
-
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_data_parallel_fit_matches_one_process(pool2, optimizer, shuffle):
     results = pool2.run(train, "dp", optimizer=optimizer, shuffle=shuffle)
-    _assert_same(results, _reference(optimizer=optimizer, shuffle=shuffle))
+    assert_same_training(results, _reference(optimizer=optimizer, shuffle=shuffle))
 
 
 def test_model_parallel_fit_matches_one_process(pool2):
     results = pool2.run(train, "mp", shuffle=True)
-    _assert_same(results, _reference(shuffle=True))
+    assert_same_training(results, _reference(shuffle=True))
 
 
 def test_hybrid_2x2_fit_matches_one_process(pool4):
     results = pool4.run(train, "hybrid", shuffle=True)
-    _assert_same(results, _reference(shuffle=True))
+    assert_same_training(results, _reference(shuffle=True))
 
 
 @pytest.mark.parametrize("inputs", ["torch", "dict", "pydataset"])
 def test_input_kinds_match_one_process(pool2, inputs):
     results = pool2.run(train, "dp", inputs=inputs, epochs=1)
-    _assert_same(results, _reference(inputs=inputs, epochs=1))
+    assert_same_training(results, _reference(inputs=inputs, epochs=1))
 
 
 def test_gradient_accumulation_matches_one_process(pool2):
     results = pool2.run(train, "dp", optimizer="sgd", accumulation=2, batch_size=8)
-    _assert_same(results, _reference(optimizer="sgd", accumulation=2, batch_size=8))
+    assert_same_training(results, _reference(optimizer="sgd", accumulation=2, batch_size=8))
 
 
 def indivisible_batch():
-    _set_distribution("dp")
+    set_distribution("dp")
     model = _model()
     x, y = _data()
     try:
@@ -163,7 +132,7 @@ def dataloader_steps():
     import keras
     import torch
 
-    _set_distribution("dp")
+    set_distribution("dp")
     model = _model("sgd")
     x, y = _data()
     dataset = torch.utils.data.TensorDataset(torch.as_tensor(x), torch.as_tensor(y))
@@ -188,7 +157,7 @@ def test_dataloader_round_robin_same_steps_everywhere(pool2):
 def early_stopping():
     import keras
 
-    _set_distribution("dp")
+    set_distribution("dp")
     model = _model()
     x, y = _data()
     stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)
@@ -204,7 +173,7 @@ def train_with_validation(kind, how):
     """fit with validation_data or validation_split; history per epoch."""
     import keras
 
-    _set_distribution(kind)
+    set_distribution(kind)
     model = _model()
     x, y = _data()
     if how == "data":

@@ -1,6 +1,6 @@
 """Train a small model with DataParallel and print its final numbers.
 
-Run by tests/test_launch.py on 2 processes of one node and on 2 simulated
+Run by tests/e2e/test_launch.py on 2 processes of one node and on 2 simulated
 nodes x 1 process: both runs must print the same numbers. With
 `--without-initialize` it is written as single-host JAX scripts are: it
 never calls keras.distribution.initialize() and lists the devices first.

@@ -3,7 +3,7 @@
 `rank_fails.py raise`: rank 1 raises after its first epoch; torchrun stops
 rank 0 and names rank 1. `rank_fails.py stall`: rank 1 stops answering (it
 sleeps) instead of training; rank 0's first gradient all-reduce times out
-after KTD_TIMEOUT_SECONDS. Run by tests/test_launch.py.
+after KTD_TIMEOUT_SECONDS. Run by tests/e2e/test_launch.py.
 """
 
 import os

@@ -2,7 +2,7 @@
 
 `ktd run` must name rank 1 and its signal, not rank 0, although torchrun
 may record rank 0's error first (it orders failures by whole seconds).
-Run by tests/test_launch.py.
+Run by tests/e2e/test_launch.py.
 """
 
 import os

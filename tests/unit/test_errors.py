@@ -1,9 +1,9 @@
 """Bad input gives a clear error: the offending value, what was expected,
-and the fix. Uneven sharding is not an error: it trains with one-process
-numbers.
+and the fix.
 
-Single-process cases run in the pytest process (a world of one process);
-cases that need several processes run on the session's 2-rank pool.
+These cases run in the pytest process (a world of one process); the cases
+that need several processes, and uneven sharding (not an error: it trains
+with one-process numbers), are in multiprocess/test_errors_on_ranks.py.
 Errors of starting the process group are in test_runtime.py.
 """
 
@@ -17,6 +17,8 @@ import pytest  # noqa: E402
 
 import keras_torch_distribution  # noqa: E402,F401
 
+from helpers import model_parallel  # noqa: E402
+
 
 @pytest.fixture
 def one_process():
@@ -29,29 +31,10 @@ def one_process():
     keras.backend.clear_session()
 
 
-def _model_parallel(devices, rules, shape=None, axis_names=("model",)):
-    mesh = keras.distribution.DeviceMesh(
-        shape or (len(devices),), list(axis_names), devices
-    )
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for pattern, axes in rules.items():
-        layout_map[pattern] = axes
-    return keras.distribution.ModelParallel(layout_map=layout_map)
-
-
 def _dense_model(units=4):
     return keras.Sequential(
         [keras.Input((3,)), keras.layers.Dense(units, name="dense")], name="net"
     )
-
-
-def _error_text(function, *args):
-    """(exception class name, message) of what `function` raises, or None."""
-    try:
-        function(*args)
-    except (ValueError, RuntimeError, TypeError) as error:
-        return type(error).__name__, str(error)
-    return None
 
 
 # --------------------------------------------------------------------------
@@ -66,7 +49,7 @@ def test_mesh_shape_must_match_its_devices(one_process):
 
 
 def test_unknown_axis_name_in_layout_map(one_process):
-    distribution = _model_parallel(one_process, {})
+    distribution = model_parallel(one_process, {})
     with pytest.raises(ValueError, match=r"Invalid axis names for Layout. Valid axis "
                        r"names: \{'model'\}, Got \{'modle'\}"):
         distribution._layout_map[".*kernel"] = (None, "modle")
@@ -84,7 +67,7 @@ def test_unknown_axis_name_in_a_tensor_layout(one_process):
 
 def test_layout_longer_than_variable_rank(one_process):
     keras.distribution.set_distribution(
-        _model_parallel(one_process, {".*kernel": (None, "model", None)})
+        model_parallel(one_process, {".*kernel": (None, "model", None)})
     )
     with pytest.raises(ValueError, match=r"Layout axes \(None, 'model', None\) have 3 "
                        r"entries, but variable 'net/dense/kernel' has shape \(3, 4\) "
@@ -95,7 +78,7 @@ def test_layout_longer_than_variable_rank(one_process):
 
 
 def test_two_layout_map_patterns_matching_one_variable(one_process):
-    keras.distribution.set_distribution(_model_parallel(
+    keras.distribution.set_distribution(model_parallel(
         one_process, {".*kernel": (None, "model"), ".*dense.*": ("model", None)}
     ))
     with pytest.raises(ValueError, match=r"Path 'net/dense/kernel' matches multiple "
@@ -136,97 +119,6 @@ def test_bad_settings(monkeypatch, variable, value, message):
         _env.log_level() if variable == "KTD_LOG_LEVEL" else _env.forces_cpu()
 
 
-# --------------------------------------------------------------------------
-# Two processes (the session's pool)
-# --------------------------------------------------------------------------
-
-
-def mesh_errors():
-    """Meshes that do not cover the 2 running processes."""
-    devices = keras.distribution.list_devices()
-    found = {}
-    one = keras.distribution.DeviceMesh((1,), ["model"], devices[:1])
-    layout_map = keras.distribution.LayoutMap(one)
-    layout_map[".*kernel"] = (None, "model")
-    found["model_parallel"] = _error_text(
-        lambda: keras.distribution.ModelParallel(layout_map=layout_map)
-    )
-    found["data_parallel"] = _error_text(
-        lambda: keras.distribution.DataParallel(devices=devices[:1]).device_mesh.backend_mesh
-    )
-    four = ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
-    found["too_many"] = _error_text(
-        lambda: keras.distribution.DeviceMesh((2, 2), ["batch", "model"], four).backend_mesh
-    )
-    return found
-
-
-def test_mesh_must_cover_every_process(pool2):
-    for found in pool2.run(mesh_errors):
-        for where, shape, count in (
-            ("model_parallel", (1,), 1), ("data_parallel", (1,), 1), ("too_many", (2, 2), 4),
-        ):
-            assert found[where] is not None, f"{where} did not raise"
-            kind, message = found[where]
-            assert kind == "ValueError"
-            assert message == (
-                f"DeviceMesh shape={shape} has {count} devices, but 2 processes run. "
-                "The mesh must cover every process, one device per process: build "
-                "it from keras.distribution.list_devices() with a shape whose "
-                "product is 2."
-            ), (where, message)
-
-
-UNEVEN_RULES = {".*dense/kernel": (None, "model"), ".*dense/bias": ("model",),
-                ".*out/kernel": ("model", None)}
-
-
-def _uneven_model():
-    keras.utils.set_random_seed(5)
-    return keras.Sequential([
-        keras.Input((3,)),
-        keras.layers.Dense(5, activation="tanh", name="dense"),  # 5 columns on 2 ranks
-        keras.layers.Dense(3, name="out"),  # 5 rows on 2 ranks
-    ], name="uneven")
-
-
-def uneven_training(distributed):
-    if distributed:
-        devices = keras.distribution.list_devices()
-        keras.distribution.set_distribution(_model_parallel(devices, UNEVEN_RULES))
-    model = _uneven_model()
-    local_shapes = {
-        v.path: tuple(getattr(v.value, "_local_tensor", v.value).shape)
-        for v in model.weights
-    }
-    model.compile(keras.optimizers.SGD(0.1), "mse")
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(16, 3)).astype("float32")
-    y = rng.normal(size=(16, 3)).astype("float32")
-    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    return history.history["loss"], [np.asarray(w) for w in model.weights], local_shapes
-
-
-def test_uneven_sharding_trains_with_one_process_numbers(pool2):
-    """A dim that its mesh axis does not divide is sharded unevenly (as
-    torch.chunk: ceil-sized blocks first, the last one smaller)."""
-    keras.distribution.set_distribution(None)
-    keras.backend.clear_session()
-    reference_loss, reference_weights, _ = uneven_training(False)
-    keras.backend.clear_session()
-    results = pool2.run(uneven_training, True)
-    expected_shapes = [
-        {"uneven/dense/kernel": (3, 3), "uneven/dense/bias": (3,), "uneven/out/kernel": (3, 3)},
-        {"uneven/dense/kernel": (3, 2), "uneven/dense/bias": (2,), "uneven/out/kernel": (2, 3)},
-    ]
-    for rank, (loss, weights, shapes) in enumerate(results):
-        for path, shape in expected_shapes[rank].items():
-            assert shapes[path] == shape, (rank, path, shapes[path])
-        np.testing.assert_allclose(loss, reference_loss, rtol=1e-5, atol=1e-6)
-        for got, want in zip(weights, reference_weights):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
 class _Records:
     """Collects the package logger's records (it does not propagate)."""
 
@@ -248,7 +140,7 @@ class _Records:
 
 def test_variable_created_outside_the_distribution_warns_once(one_process):
     model = _dense_model()  # no distribution set: kernel is whole
-    keras.distribution.set_distribution(_model_parallel(one_process, {".*kernel": (None, "model")}))
+    keras.distribution.set_distribution(model_parallel(one_process, {".*kernel": (None, "model")}))
     model.compile(keras.optimizers.SGD(0.1), "mse")
     x, y = np.ones((4, 3), "float32"), np.ones((4, 4), "float32")
     with _Records() as records:

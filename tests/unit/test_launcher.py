@@ -1,0 +1,236 @@
+"""The launcher without launching: the torchrun arguments `ktd run` builds,
+bad arguments and settings refused before any rank starts (torchrun's main
+is replaced), and the one-line summary of a failed job. Launches are in
+e2e/test_launch.py.
+"""
+
+import json
+import os
+import signal
+import socket
+
+import pytest
+
+from keras_torch_distribution import launch
+
+from helpers import free_port
+
+# --------------------------------------------------------------------------
+# Arguments handed to torchrun
+# --------------------------------------------------------------------------
+
+_LAUNCH = ["-m", "keras_torch_distribution.launch"]
+
+
+def test_torchrun_arguments_one_node_is_standalone():
+    assert launch.torchrun_arguments(["-n", "2", "train.py", "--lr", "0.1"]) == [
+        "--nproc-per-node", "2", "--standalone", *_LAUNCH, "train.py", "--lr", "0.1"
+    ]
+    assert launch.torchrun_arguments(["-n=2", "--nnodes=1", "--max-restarts", "1",
+                                      "train.py"]) == [
+        "--nproc-per-node=2", "--nnodes=1", "--max-restarts", "1", "--standalone",
+        *_LAUNCH, "train.py",
+    ]
+    # A flag (no value) before the script is not mistaken for taking it.
+    assert launch.torchrun_arguments(["--virtual-local-rank", "-n", "2", "t.py"]) == [
+        "--virtual-local-rank", "--nproc-per-node", "2", "--standalone", *_LAUNCH, "t.py"
+    ]
+
+
+def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
+    argv = ["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", "127.0.0.1:29400", "-n", "1", "train.py", "-x"]
+    assert launch.torchrun_arguments(argv) == [
+        "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "127.0.0.1:29400", "--nproc-per-node", "1",
+        *_LAUNCH, "train.py", "-x",
+    ]
+    # One node at a given address (static rendezvous): no --standalone either.
+    assert "--standalone" not in launch.torchrun_arguments(
+        ["--master-addr", "10.0.0.1", "--master_port=29500", "-n", "2", "t.py"]
+    )
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "2"], r"give a script to run, e.g. `ktd run -n 2 train.py`"),
+    (["-n"], r"option --nproc-per-node needs a value"),
+    (["-m", "pkg.train"], r"torchrun's -m is not supported: `ktd run` runs a Python script"),
+    (["--no-python", "echo"], r"torchrun's --no-python is not supported"),
+    (["-n", "0", "t.py"], r"^ktd run: -n 0 is not a number of processes per node: give a "
+                          r"whole number of at least 1, e.g. `ktd run -n 2 train.py` \(or "
+                          r"one of torchrun's auto, cpu, gpu, xpu\).$"),
+    (["-n", "-1", "t.py"], r"^ktd run: -n -1 is not a number of processes per node"),
+    (["--nproc-per-node=two", "t.py"], r"^ktd run: --nproc-per-node two is not a number"),
+])
+def test_torchrun_arguments_errors(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        launch.torchrun_arguments(argv)
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`launch.run` must refuse before torchrun starts anything."""
+    from torch.distributed import run as torch_run
+
+    def must_not_start(arguments):
+        raise AssertionError(f"torchrun was started with {arguments}")
+
+    monkeypatch.setattr(torch_run, "main", must_not_start)
+    monkeypatch.setenv("KERAS_BACKEND", "torch")  # run() sets it when unset
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e30", "abc", "-5"])
+def test_bad_timeout_setting_is_refused_before_ranks_start(no_launch, monkeypatch, value):
+    monkeypatch.setenv("KTD_TIMEOUT_SECONDS", value)
+    with pytest.raises(SystemExit, match=(
+        rf"^ktd run: KTD_TIMEOUT_SECONDS='{value}' is not a positive number of seconds "
+        r"up to 604800 \(one week\).*Set it to a number in \(0, 604800\]")):
+        launch.run(["-n", "2", "train.py"])
+
+
+class _HeldPort:
+    """A port another program holds: a listening socket on 127.0.0.1."""
+
+    def __enter__(self):
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(1)
+        return self.socket.getsockname()[1]
+
+    def __exit__(self, *exc_info):
+        self.socket.close()
+
+
+def _port_in_use_message(port):
+    return (
+        rf"^ktd run: --master-port {port} is in use on this machine \(.+\), and "
+        r"this node \(node rank 0\) must host the rendezvous there. Give a free port "
+        r"with --master-port \(the same on every node\), stop the program that holds "
+        rf"it \(`ss -ltnp 'sport = :{port}'` names it\), or, on one machine, leave "
+        r"out --master-addr and --master-port: `ktd run` then picks a free port.$"
+    )
+
+
+def test_a_held_master_port_is_refused_before_ranks_start(no_launch):
+    with _HeldPort() as port:
+        for argv in (["--master-port", str(port), "-n", "2", "t.py"],
+                     ["--master-addr=127.0.0.1", f"--master_port={port}", "-n", "2", "t.py"]):
+            with pytest.raises(SystemExit, match=_port_in_use_message(port)):
+                launch.run(argv)
+
+
+def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
+    """The port is free when checked but taken before torchrun binds it."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed import run as torch_run
+
+    port = free_port()
+
+    def taken(arguments):
+        raise DistNetworkError(
+            "The server socket has failed to listen on any local network address. "
+            f"port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: "
+            "address already in use"
+        )
+
+    monkeypatch.setattr(torch_run, "main", taken)
+    with pytest.raises(SystemExit, match=_port_in_use_message(port)):
+        launch.run(["--master-port", str(port), "-n", "2", "t.py"])
+    # Other nodes host nothing: their torchrun runs unchecked.
+    seen = []
+    monkeypatch.setattr(torch_run, "main", seen.append)
+    with _HeldPort() as held:
+        launch.run(["--master-port", str(held), "--nnodes", "2", "--node-rank", "1",
+                    "-n", "1", "t.py"])
+    assert len(seen) == 1
+
+
+# --------------------------------------------------------------------------
+# The one-line failure summary
+# --------------------------------------------------------------------------
+
+_LOST_PEER = (
+    "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:16296: Connection reset by peer. This is typically caused by a "
+    "remote worker hanging or bugs in the application."
+)
+_KERAS_LAYER_ERROR = (
+    "ValueError: Exception encountered when calling Dense.call().\n\n"
+    "\x1b[1mInvalid dtype: foo\nmore detail\x1b[0m\n\n"
+    "Arguments received by Dense.call():\n  \u2022 inputs=tensor\n  \u2022 training=False"
+)
+
+
+def _failure(tmp_path, local_rank, exitcode, timestamp, message=None):
+    """torchrun's record of a failed rank; `message`: the exception the rank
+    recorded in its error file (None: it recorded none, e.g. killed)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = str(tmp_path / f"error_{local_rank}.json")
+    if message is not None:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": "Traceback ...", "timestamp": str(timestamp)}}}, f)
+    failure = ProcessFailure(local_rank=local_rank, pid=1000 + local_rank,
+                             exitcode=exitcode, error_file=error_file)
+    failure.timestamp = timestamp  # a rank without a file: when torchrun saw it
+    return failure
+
+
+def test_failure_summary_prefers_a_killed_rank_to_one_that_lost_it(tmp_path):
+    """Rank 1 was SIGKILLed; rank 0 then failed on the broken connection and
+    was stopped by torchrun. torchrun's own order (whole seconds, rank 0's
+    record earlier) blames rank 0."""
+    failures = {
+        0: _failure(tmp_path, 0, -signal.SIGTERM, 100, _LOST_PEER),
+        1: _failure(tmp_path, 1, -signal.SIGKILL, 101),
+    }
+    summary = launch.failure_summary(failures)
+    assert summary == (
+        "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit code -9). "
+        "It was killed from outside Python (the kernel's out-of-memory killer: see "
+        "`dmesg`; a scheduler's time or memory limit; or `kill`), so it left no "
+        "traceback. torchrun stopped the other processes."
+    )
+    # Alone, the rank that lost its peer is named, with what that means.
+    summary = launch.failure_summary({0: failures[0]})
+    assert summary.startswith(
+        "ktd run: rank 0 (local rank 0) failed first, exit code -15 (SIGTERM): "
+        "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:16296: Connection reset by peer. This is typically caused by a "
+        "remote worker hanging or bugs in the application. It lost its connection to "
+        "another rank"
+    ), summary
+
+
+def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
+    raised = _failure(tmp_path, 1, 1, 100, _KERAS_LAYER_ERROR)
+    # A rank torchrun stopped (SIGTERM, nothing recorded) in the same second
+    # as the one that raised is not blamed.
+    stopped = _failure(tmp_path, 0, -signal.SIGTERM, 100)
+    summary = launch.failure_summary({0: stopped, 1: raised})
+    # The exception's type and first line, and for a Keras layer error the
+    # error itself, not the last line (an argument of the call).
+    assert summary.startswith(
+        "ktd run: rank 1 (local rank 1) failed first, exit code 1: ValueError: "
+        "Exception encountered when calling Dense.call(). Invalid dtype: foo. torchrun "
+        "stopped the other processes; that rank's traceback is above."
+    ), summary
+    assert "training=False" not in summary
+    crashed = _failure(tmp_path, 2, -signal.SIGSEGV, 100)
+    assert launch.failure_summary({2: crashed}) == (
+        "ktd run: rank 2 (local rank 2) died first, by signal SIGSEGV (exit code -11). "
+        "That is a crash in native code, not a Python exception, so it left no Python "
+        "traceback; its last output above may say why. torchrun stopped the other "
+        "processes."
+    )
+    exited = _failure(tmp_path, 3, 3, 100)
+    assert launch.failure_summary({3: exited}).startswith(
+        "ktd run: rank 3 (local rank 3) failed first, exit code 3, without a Python "
+        "exception on record"
+    )
+    # Two ranks that both lost a peer: the earlier one.
+    late = _failure(tmp_path, 4, 1, 105, _LOST_PEER)
+    early = _failure(tmp_path, 5, 1, 104, _LOST_PEER)
+    assert launch.failure_summary({4: late, 5: early}).startswith("ktd run: rank 5 ")
