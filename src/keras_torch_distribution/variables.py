@@ -22,26 +22,44 @@ from keras_torch_distribution import sharded_init
 from keras_torch_distribution import tensors
 from keras_torch_distribution.log import warn_once
 
-_implicit_replication = []
-_sharded_variables_exist = [False]
+class VariablesState:
+    """Process-wide facts about this process's variables."""
+
+    def __init__(self):
+        # True once any variable of this process holds a DTensor: until
+        # then gradient sync takes the plain data-parallel paths.
+        self.sharded_exist = False
+        # The entered `implicit_replication` context while installed.
+        self.implicit_replication = None
+
+    def clear(self):
+        self.sharded_exist = False
+        disable_implicit_replication()
+
+
+state = VariablesState()
 
 
 def has_sharded_variables():
     """True once any variable of this process holds a DTensor."""
-    return _sharded_variables_exist[0]
+    return state.sharded_exist
 
 
 def enable_implicit_replication():
-    """Let plain tensors meet DTensors as replicated values, process-wide."""
-    if not _implicit_replication:
+    """Let plain tensors meet DTensors as replicated values, process-wide
+    while the package is installed, as a plain array meets a sharded one
+    anywhere in Keras on JAX: in fit's steps, in direct model calls, in
+    custom training loops and in keras_hub's generate alike."""
+    if state.implicit_replication is None:
         context = implicit_replication()
         context.__enter__()
-        _implicit_replication.append(context)
+        state.implicit_replication = context
 
 
 def disable_implicit_replication():
-    while _implicit_replication:
-        _implicit_replication.pop().__exit__(None, None, None)
+    if state.implicit_replication is not None:
+        context, state.implicit_replication = state.implicit_replication, None
+        context.__exit__(None, None, None)
 
 
 def sharded_layout(variable):
@@ -139,7 +157,7 @@ def _requires_grad(variable, tensor):
 
 def _set_value(variable, tensor):
     if isinstance(tensor, DTensor):
-        _sharded_variables_exist[0] = True
+        state.sharded_exist = True
     variable._value = torch.nn.Parameter(
         tensor, requires_grad=_requires_grad(variable, tensor)
     )
