@@ -228,7 +228,7 @@ def test_uneven_sharding_trains_with_one_process_numbers(pool2):
 
 
 class _Records:
-    """Collects the package logger's records (it does not propagate)."""
+    """Collects the package logger's records."""
 
     def __init__(self):
         import logging
