@@ -52,6 +52,6 @@ history = model.fit(
     x, y, batch_size=32, epochs=epochs, verbose=0,
     callbacks=[checkpoint.ShardedCheckpoint(directory, restore=True), StopAfterTwoEpochs()],
 )
-if ktd.runtime.process_id() == 0:
+if ktd.process_id() == 0:
     print(f"{'resumed' if resumed else 'first run'}: epochs {history.epoch}, "
           f"loss {[round(v, 5) for v in history.history['loss']]}", flush=True)

@@ -23,7 +23,7 @@ keras.distribution.set_distribution(keras.distribution.DataParallel())
 
 
 def say(*args):
-    if ktd.runtime.process_id() == 0:  # every rank has the same numbers
+    if ktd.process_id() == 0:  # every rank has the same numbers
         print(*args, flush=True)
 
 

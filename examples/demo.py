@@ -19,7 +19,7 @@ devices = keras.distribution.list_devices()
 
 
 def say(*args):
-    if ktd.runtime.process_id() == 0:
+    if ktd.process_id() == 0:
         print(*args, flush=True)
 
 

@@ -45,7 +45,7 @@ keras.distribution.set_distribution(
 
 
 def say(*args):
-    if ktd.runtime.process_id() == 0:
+    if ktd.process_id() == 0:
         print(*args, flush=True)
 
 

@@ -20,6 +20,8 @@ from keras_torch_distribution._install import uninstall  # noqa: E402
 from keras_torch_distribution._keras import SUPPORTED_KERAS_TEXT  # noqa: E402
 from keras_torch_distribution.report import report  # noqa: E402
 from keras_torch_distribution.runtime import initialize  # noqa: E402
+from keras_torch_distribution.runtime import num_processes  # noqa: E402
+from keras_torch_distribution.runtime import process_id  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "initialize",
     "install",
     "is_installed",
+    "num_processes",
+    "process_id",
     "report",
     "uninstall",
 ]

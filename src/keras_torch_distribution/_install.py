@@ -14,6 +14,7 @@ from keras_torch_distribution import checkpoint
 from keras_torch_distribution import compiled
 from keras_torch_distribution import data
 from keras_torch_distribution import distribution_lib
+from keras_torch_distribution import fsdp
 from keras_torch_distribution import layouts
 from keras_torch_distribution import optimizer_update
 from keras_torch_distribution import random_slices
@@ -167,19 +168,37 @@ def install():
 
 
 def uninstall():
-    """Put back every original Keras attribute `install()` replaced, and
-    clear the package's caches."""
+    """Put back every original Keras attribute `install()` replaced, take
+    out the DTensor rules and gradient hooks, and clear every cache."""
     if not _installed:
         return
-    variables.disable_implicit_replication()
     while _installed:
         patch = _installed.pop()
         if patch.inherited:
             delattr(patch.owner, patch.name)
         else:
             setattr(patch.owner, patch.name, patch.original)
-    replicas.clear_cache()
-    layouts.clear_mesh_cache()
+    for state in _state_objects():
+        state.clear()
+
+
+def _state_objects():
+    """Every object that keeps state between calls, in the order
+    `uninstall()` clears them: the DTensor rules and implicit replication
+    first (torch goes back to its own behaviour), then gradient hooks and
+    per-model caches, then the mesh caches they were built on."""
+    return (
+        sharding_rules.registration,  # torch's own rules and handlers back
+        variables.state,  # implicit replication off; no sharded variables seen
+        trainer.optimizer_sync,  # overlapped reducers and their gradient hooks
+        compiled.compiled_forwards,
+        boundary.active_forward,
+        fsdp.state,
+        replica_start.equalized,
+        replicas.batch_weight,
+        replicas.cache,
+        layouts.torch_meshes,
+    )
 
 
 def is_installed():

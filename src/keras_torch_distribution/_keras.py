@@ -91,8 +91,42 @@ def layout_map_layouts(distribution):
 
 
 def raw_value(variable):
-    """A variable's stored tensor (no autocast, no stateless scope)."""
-    return variable._value
+    """A variable's stored tensor (no autocast, no stateless scope); None
+    before it is initialized."""
+    return getattr(variable, "_value", None)
+
+
+def set_raw_value(variable, tensor):
+    """Store `tensor` as the variable's value, as Keras' torch backend does."""
+    variable._value = tensor
+
+
+def variable_layout(variable):
+    """The layout a variable was created with (None: the distribution's)."""
+    return variable._layout
+
+
+def set_variable_layout(variable, layout):
+    variable._layout = layout
+
+
+def stored_shape(variable):
+    return tuple(variable._shape)
+
+
+def stored_dtype(variable):
+    """The variable's own dtype (not the autocast dtype of the moment)."""
+    return variable._dtype
+
+
+def set_stored_shape(variable, shape):
+    """Check `shape` as Keras does for an initial value and record it."""
+    variable._shape = variable._validate_shape(tuple(shape))
+
+
+def backup_position(callback):
+    """(epoch, batch) a BackupAndRestore callback is at, for its checkpoint."""
+    return callback._current_epoch, callback._last_batch_seen
 
 
 def optimizer_variables(optimizer):

@@ -22,7 +22,19 @@ from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
 
-_active_forward = [None]  # (model, forward) while a compiled step runs
+class ActiveForward:
+    """While a compiled step of `model` runs, its outermost calls go
+    through `forward` (see `forward_through`)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.model = None
+        self.forward = None
+
+
+active_forward = ActiveForward()
 
 
 def plain(value):
@@ -34,9 +46,8 @@ def layer_call(original, layer, *args, **kwargs):
     outermost = _keras.in_outer_call()
     if outermost:
         args, kwargs = _plain_inputs(args, kwargs)
-        active = _active_forward[0]
-        if active is not None and active[0] is layer and not torch.compiler.is_compiling():
-            return active[1](original, layer, *args, **kwargs)
+        if active_forward.model is layer and not torch.compiler.is_compiling():
+            return active_forward.forward(original, layer, *args, **kwargs)
         if fsdp.plans_exist():
             with fsdp.regathering_in_backward():
                 return convert_outputs(original, layer, outermost, *args, **kwargs)
@@ -123,9 +134,9 @@ def outermost_call(original, layer, *args, **kwargs):
 def forward_through(model, forward):
     """Within the block, `model`'s outermost calls run `forward(original,
     model, *args, **kwargs)` instead."""
-    saved = _active_forward[0]
-    _active_forward[0] = (model, forward)
+    saved = (active_forward.model, active_forward.forward)
+    active_forward.model, active_forward.forward = model, forward
     try:
         yield
     finally:
-        _active_forward[0] = saved
+        active_forward.model, active_forward.forward = saved

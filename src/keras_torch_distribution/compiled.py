@@ -26,7 +26,24 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import boundary
 from keras_torch_distribution.log import warn_once
 
-_compiled_forwards = weakref.WeakKeyDictionary()  # model -> _CompiledForward
+class CompiledForwards:
+    """Each model's compiled outermost call, made once per model (torch
+    compiles on its first call and reuses the graphs after)."""
+
+    def __init__(self):
+        self.clear()
+
+    def get(self, model):
+        forward = self._by_model.get(model)
+        if forward is None:
+            forward = self._by_model[model] = _CompiledForward(model)
+        return forward
+
+    def clear(self):
+        self._by_model = weakref.WeakKeyDictionary()  # model -> _CompiledForward
+
+
+compiled_forwards = CompiledForwards()
 
 
 class _CompiledForward:
@@ -116,13 +133,6 @@ def _builds_compiled_step(model, existing, force):
     )
 
 
-def _compiled_forward(model):
-    forward = _compiled_forwards.get(model)
-    if forward is None:
-        forward = _compiled_forwards[model] = _CompiledForward(model)
-    return forward
-
-
 def make_train_function(original, model, force=False):
     """Keras' train function; for a model compiled with jit_compile=True
     under a distribution, Keras' eager step with the model's outermost call
@@ -153,7 +163,7 @@ def make_predict_function(original, model, force=False):
 def _step_function(model, step, no_grad):
     """Keras' eager one-step function, with the model's outermost call (and
     only that call, not fit's symbolic build) through torch.compile."""
-    forward = _compiled_forward(model)
+    forward = compiled_forwards.get(model)
 
     def one_step_on_data(data):
         # Gradients left by the last step would be inputs of the compiled

@@ -77,12 +77,26 @@ class GatherPlan:
         )
 
 
-_plans_exist = [False]
+class FsdpState:
+    """Whether any variable is gathered for use, and the regatherer of the
+    training forward in progress."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        # True once a variable of this process is sharded on the batch
+        # axis: until then layer calls skip the regathering hooks.
+        self.plans_exist = False
+        self.regatherer = None
+
+
+state = FsdpState()
 
 
 def plans_exist():
     """True once a variable of this process is sharded on the batch axis."""
-    return _plans_exist[0]
+    return state.plans_exist
 
 
 def plan_for(torch_layout, shape, batch_axis):
@@ -99,7 +113,7 @@ def plan_for(torch_layout, shape, batch_axis):
         return None
     gathered = stored[:index] + (Replicate(),) + stored[index + 1 :]
     grad = stored[:index] + (Partial(),) + stored[index + 1 :]
-    _plans_exist[0] = True
+    state.plans_exist = True
     return GatherPlan(
         mesh=torch_layout.mesh,
         stored=stored,
@@ -202,23 +216,20 @@ class _Token:
         )
 
 
-_active = [None]  # the _Regatherer of the training forward in progress
-
-
 @contextlib.contextmanager
 def regathering_in_backward():
     """Within the block (a training forward), saved views of gathered
     weights are gathered again in backward instead of being kept."""
-    if _active[0] is not None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if state.regatherer is not None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         yield
         return
     regatherer = _Regatherer()
-    _active[0] = regatherer
+    state.regatherer = regatherer
     try:
         with torch.autograd.graph.saved_tensors_hooks(regatherer.pack, regatherer.unpack):
             yield
     finally:
-        _active[0] = None
+        state.regatherer = None
         regatherer.gathered.clear()
 
 
@@ -226,7 +237,7 @@ def gather_for_use(stored, plan):
     """`stored` gathered along the batch axis (see GatherPlan.gather), noted
     for regathering in backward when a training forward is in progress."""
     view = plan.gather(stored)
-    regatherer = _active[0]
+    regatherer = state.regatherer
     if regatherer is not None and view.requires_grad:
         regatherer.register(stored, plan, view)
     return view

@@ -16,7 +16,34 @@ from torch.distributed.tensor import Shard
 from keras_torch_distribution import runtime
 from keras_torch_distribution.log import warn_once
 
-_torch_meshes = {}  # mesh_key -> (the world group it was built in, torch mesh)
+class TorchMeshCache:
+    """The torch mesh of each Keras mesh configuration, built once.
+
+    Building a torch mesh creates process groups, a collective that must
+    not run per step. Keyed by configuration (`mesh_key`), not by `id()`:
+    Keras meshes rebuilt with the same configuration must find the same
+    torch mesh on every rank. Each entry remembers the world group it was
+    built in, because a mesh built before the process group was destroyed
+    and started again holds dead groups.
+    """
+
+    def __init__(self):
+        self._meshes = {}  # mesh_key -> (world group, torch mesh)
+
+    def get(self, key, world_group):
+        cached = self._meshes.get(key)
+        if cached is not None and cached[0] is world_group:
+            return cached[1]
+        return None
+
+    def put(self, key, world_group, mesh):
+        self._meshes[key] = (world_group, mesh)
+
+    def clear(self):
+        self._meshes.clear()
+
+
+torch_meshes = TorchMeshCache()
 
 
 def device_rank(device):
@@ -50,11 +77,9 @@ def to_torch_mesh(keras_mesh):
     key = mesh_key(keras_mesh)
     world = runtime.ensure_initialized()
     world_group = dist.group.WORLD
-    cached = _torch_meshes.get(key)
-    # A mesh built before the process group was destroyed and started again
-    # holds dead groups: build it anew for the running group.
-    if cached is not None and cached[0] is world_group:
-        return cached[1]
+    cached = torch_meshes.get(key, world_group)
+    if cached is not None:
+        return cached
     check_mesh(keras_mesh, world)
     shape, axis_names, devices = key
     ranks = [device_rank(d) for d in devices]
@@ -68,7 +93,7 @@ def to_torch_mesh(keras_mesh):
     rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
     _check_rank_order(rank_grid, axis_names, devices)
     mesh = TorchDeviceMesh(device_type, rank_grid, mesh_dim_names=axis_names)
-    _torch_meshes[key] = (world_group, mesh)
+    torch_meshes.put(key, world_group, mesh)
     return mesh
 
 
@@ -117,10 +142,6 @@ def _check_rank_order(rank_grid, axis_names, devices):
                 "List the devices in increasing rank order along every axis, "
                 "e.g. keras.distribution.list_devices() reshaped to the mesh."
             )
-
-
-def clear_mesh_cache():
-    _torch_meshes.clear()
 
 
 def placements_for(axes, axis_names):

@@ -6,6 +6,7 @@ sets the level.
 
 import logging
 import os
+import sys
 
 import torch.distributed as dist
 
@@ -27,16 +28,36 @@ class _RankFilter(logging.Filter):
         return record.rank == 0 or _env.log_all_ranks()
 
 
+class _UntilConfigured(logging.StreamHandler):
+    """Prints the package's records to stderr while the application has not
+    configured logging (the root logger has no handler). Once it has, the
+    records reach the application's handlers only: the logger propagates.
+    Writes to the `sys.stderr` of the moment, as Python's last-resort
+    handler does."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    def emit(self, record):
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
 logger = logging.getLogger("keras_torch_distribution")
-if not logger.handlers:
-    _handler = logging.StreamHandler()
+if not logger.filters:
+    # On the logger, not a handler: other ranks' records are dropped before
+    # any handler sees them, the application's included.
+    logger.addFilter(_RankFilter())
+    _handler = _UntilConfigured()
     _handler.setFormatter(
         logging.Formatter("[ktd rank %(rank)s] %(levelname)s: %(message)s")
     )
-    _handler.addFilter(_RankFilter())
     logger.addHandler(_handler)
     logger.setLevel(_env.log_level())
-    logger.propagate = False
 
 
 def warn_once(key, message, *args):

@@ -73,7 +73,7 @@ def _rows_of(draw, shape, box, dtype, device, to_end):
         return whole[layouts.box_slices(box)]
     (low, high), inner = box[0], (slice(None),) + layouts.box_slices(box[1:])
     per_row = math.prod(shape[1:])
-    groups = sharded_init._row_groups(shape[0], per_row, sharded_init.CHUNK_DRAWS)
+    groups = sharded_init.row_groups(shape[0], per_row, sharded_init.CHUNK_DRAWS)
     if len(groups) == 1 and all(lo == 0 and hi == n for (lo, hi), n in zip(box, shape)):
         return draw(shape, torch.empty(shape, dtype=dtype))
     block = torch.empty(tuple(hi - lo for lo, hi in box), dtype=dtype)

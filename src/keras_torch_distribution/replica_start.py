@@ -37,7 +37,18 @@ from keras_torch_distribution import runtime
 from keras_torch_distribution import trainer
 from keras_torch_distribution.log import logger
 
-_equal = weakref.WeakKeyDictionary()  # model -> True once its copies are equal
+class EqualizedModels:
+    """The models whose copies were made equal across replicas (once per
+    model, before its first step)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.models = weakref.WeakSet()
+
+
+equalized = EqualizedModels()
 
 
 def make_train_function(original, model, force=False):
@@ -69,7 +80,7 @@ def _starting_equal(model, kind, result):
 
     def step_starting_equal(data):
         owner = model_ref()
-        if owner is not None and owner not in _equal and runtime.num_processes() > 1:
+        if owner is not None and owner not in equalized.models and runtime.num_processes() > 1:
             equalize(owner)
         return function(data)
 
@@ -84,7 +95,7 @@ def equalize(model):
     the module docstring). Collective: call on every rank."""
     with torch.no_grad():
         count = _equalize(model.variables)
-    _equal[model] = True
+    equalized.models.add(model)
     logger.debug("Made %d variable blocks of model %r equal across replicas.", count, model.name)
 
 

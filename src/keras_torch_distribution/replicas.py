@@ -32,13 +32,28 @@ class Replicas:
 
 
 _SINGLE = Replicas(1, 0, None)
-_cache = {}
-# (distribution, world group, Replicas) of the last call: current() runs
-# several times per step (optimizer apply, metric reduction), and the mesh
-# key (every device name of the mesh) costs more than the step's other
-# bookkeeping. A Distribution's mesh and batch axis never change; a new
-# process group (destroyed and started again) is a new world group.
-_last = [None, None, None]
+
+
+class ReplicasCache:
+    """The Replicas of each (mesh configuration, batch axis), and of the
+    last distribution asked about.
+
+    `current()` runs several times per step (optimizer apply, metric
+    reduction), and the mesh key (every device name of the mesh) costs more
+    than the step's other bookkeeping, so the last answer is kept by
+    identity: a Distribution's mesh and batch axis never change, and a new
+    process group (destroyed and started again) is a new world group.
+    """
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.by_key = {}  # (mesh_key, batch axis) -> Replicas
+        self.last = (None, None, None)  # (distribution, world group, Replicas)
+
+
+cache = ReplicasCache()
 
 
 def current():
@@ -47,16 +62,17 @@ def current():
     if distribution is None:
         return _SINGLE
     world = dist.group.WORLD if dist.is_initialized() else None
-    if distribution is _last[0] and world is _last[1]:
-        return _last[2]
+    last_distribution, last_world, last_replicas = cache.last
+    if distribution is last_distribution and world is last_world:
+        return last_replicas
     if runtime.num_processes() == 1:
         return _SINGLE
     key = (layouts.mesh_key(distribution.device_mesh), distribution.batch_dim_name)
-    replicas = _cache.get(key)
+    replicas = cache.by_key.get(key)
     if replicas is None:
         replicas = _build(distribution)
-        _cache[key] = replicas
-    _last[:] = [distribution, world, replicas]
+        cache.by_key[key] = replicas
+    cache.last = (distribution, world, replicas)
     return replicas
 
 
@@ -80,11 +96,6 @@ def _build(distribution):
     else:
         group = torch_mesh.get_group(batch_axis)
     return Replicas(count, int(coordinate), group)
-
-
-def clear_cache():
-    _cache.clear()
-    _last[:] = [None, None, None]
 
 
 class BatchWeight:
@@ -114,6 +125,8 @@ class BatchWeight:
     def forget(self):
         self.value = 1.0
         self.rows = None
+
+    clear = forget
 
 
 batch_weight = BatchWeight()

@@ -344,12 +344,16 @@ def _start_on_first_use(use):
 
 
 def num_processes():
+    """The number of processes in the running process group (1 when none
+    has started), as `jax.process_count()`."""
     if is_initialized():
         return dist.get_world_size()
     return 1
 
 
 def process_id():
+    """This process's rank in the running process group (0 when none has
+    started), as `jax.process_index()`."""
     if is_initialized():
         return dist.get_rank()
     return 0

@@ -14,7 +14,7 @@ File-writing callbacks (CSVLogger, TensorBoard) write, and `model.summary()`
 prints, from rank 0 only.
 """
 
-import atexit
+import copy
 import inspect
 import os
 import shutil
@@ -112,23 +112,21 @@ def _discard(*args, **kwargs):
 
 
 def callbacks_for_this_rank(callbacks):
-    """On ranks other than 0, point file-writing callbacks at nowhere."""
+    """The callbacks this rank runs: on ranks other than 0, those that only
+    write files (CSVLogger, TensorBoard) are left out, so rank 0 writes
+    each file once. The user's list and callbacks are not changed."""
     if runtime.process_id() == 0 or not callbacks:
         return callbacks
     # A list, or Keras' CallbackList (fit passes one to evaluate).
-    for callback in getattr(callbacks, "callbacks", callbacks):
-        if isinstance(callback, keras.callbacks.CSVLogger):
-            callback.filename = os.devnull
-        elif isinstance(callback, keras.callbacks.TensorBoard):
-            callback.log_dir = _scratch_directory()
-    return callbacks
+    listed = list(getattr(callbacks, "callbacks", callbacks))
+    kept = [c for c in listed if not isinstance(c, _FILE_WRITERS)]
+    if len(kept) == len(listed):
+        return callbacks
+    if hasattr(callbacks, "callbacks"):
+        narrowed = copy.copy(callbacks)
+        narrowed.callbacks = kept
+        return narrowed
+    return kept
 
 
-_scratch = []
-
-
-def _scratch_directory():
-    if not _scratch:
-        _scratch.append(tempfile.mkdtemp(prefix="ktd-tensorboard-"))
-        atexit.register(shutil.rmtree, _scratch[0], True)
-    return _scratch[0]
+_FILE_WRITERS = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)

@@ -93,7 +93,7 @@ def init_block(initializer, shape, dtype, box, path):
     return full[layouts.box_slices(box)].to(torch_dtype).to(device).contiguous()
 
 
-def _row_groups(rows, draws_per_row, max_draws):
+def row_groups(rows, draws_per_row, max_draws):
     """Split `rows` into consecutive groups whose draw counts are multiples of
     the normal block, except the last, which holds the stream's tail (and at
     least one block, when the stream has one)."""
@@ -131,7 +131,7 @@ def _stream_block(call, shape, torch_dtype, box, max_draws=None):
     (row_lo, row_hi), inner = box[0], layouts.box_slices(box[1:])
     local_shape = tuple(hi - lo for lo, hi in box)
     block = torch.empty(local_shape, dtype=torch_dtype)
-    groups = _row_groups(shape[0], draws_per_row, max_draws)
+    groups = row_groups(shape[0], draws_per_row, max_draws)
     largest = max(stop - start for start, stop in groups) * draws_per_row
     buffer = torch.empty(largest, dtype=torch_dtype)  # reused by every chunk
     for start, stop in groups:

@@ -14,11 +14,12 @@ Keras layers use with sharded weights.
   under torch.compile's fake tensors for minutes; its cuDNN rule leaves the
   bias out of the sharded strategies, `input_specs != strategies`).
 
-Registered once with torch's public `register_sharding`; they are correct
-whatever Keras does, so `uninstall()` leaves them. For convolution this also
-takes out torch's own convolution handler (a halo exchange for inputs sharded
-on their width, which no Keras layout produces), which would otherwise
-bypass sharding rules altogether.
+Registered once with torch's public `register_sharding` by `install()`, and
+taken out again by `uninstall()`, which puts back what torch had (its own
+rules and handlers). For convolution registering also takes out torch's own
+convolution handler (a halo exchange for inputs sharded on their width,
+which no Keras layout produces), which would otherwise bypass sharding
+rules altogether.
 """
 
 from torch.distributed.tensor import Partial
@@ -30,7 +31,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 aten = torch.ops.aten
-_registered = []
 
 
 def _conv_forward(input, weight, bias, stride, padding, dilation, transposed,
@@ -248,10 +248,23 @@ def _attention_ops():
     return [getattr(aten, name).default for name in _ATTENTION_RESULTS]
 
 
-def register():
-    """Register the rules with DTensor (once per process)."""
-    if _registered:
-        return
+class Registration:
+    """What `register` replaced in DTensor's dispatcher, to put it back."""
+
+    def __init__(self):
+        self.active = False
+        self.strategies = {}  # op -> torch's strategy function, or None
+        self.schema_infos = {}  # op -> torch's RuntimeSchemaInfo, or None
+        self.handlers = {}  # op -> torch's custom op handler, or None
+
+    def clear(self):
+        unregister()
+
+
+registration = Registration()
+
+
+def _dispatcher_tables():
     handlers = getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)
     if handlers is None:
         raise RuntimeError(
@@ -259,11 +272,45 @@ def register():
             "_custom_op_handlers; keras_torch_distribution supports "
             "torch>=2.6 as tested with 2.13. Install torch==2.13.0."
         )
-    for op in (aten.convolution.default, aten.convolution_backward.default):
-        handlers.pop(op, None)
+    return DTensor._op_dispatcher.sharding_propagator, handlers
+
+
+def register():
+    """Register the rules with DTensor (once per process until `unregister`)."""
+    if registration.active:
+        return
+    propagator, handlers = _dispatcher_tables()
+    convolutions = (aten.convolution.default, aten.convolution_backward.default)
+    for op in (*convolutions, *_attention_ops()):
+        registration.strategies[op] = propagator.op_strategy_funcs.get(op)
+        registration.schema_infos[op] = propagator.op_to_schema_info.get(op)
+    for op in convolutions:
+        registration.handlers[op] = handlers.pop(op, None)
     register_sharding(aten.convolution.default)(_conv_forward)
     register_sharding(aten.convolution_backward.default)(_conv_backward)
     for op in _attention_ops():
         register_sharding(op)(_attention_rule(op))
         _cache_by_kwarg_tensors(op)
-    _registered.append(True)
+    propagator.propagate_op_sharding.cache_clear()
+    registration.active = True
+
+
+def unregister():
+    """Put back DTensor's own rules and handlers for the ops `register`
+    covered, and forget the sharding decisions cached with ours."""
+    if not registration.active:
+        return
+    propagator, handlers = _dispatcher_tables()
+    for table, saved in (
+        (propagator.op_strategy_funcs, registration.strategies),
+        (propagator.op_to_schema_info, registration.schema_infos),
+        (handlers, registration.handlers),
+    ):
+        for op, previous in saved.items():
+            if previous is None:
+                table.pop(op, None)
+            else:
+                table[op] = previous
+        saved.clear()
+    propagator.propagate_op_sharding.cache_clear()
+    registration.active = False

@@ -27,14 +27,32 @@ from keras_torch_distribution import saving
 from keras_torch_distribution import variables
 from keras_torch_distribution import variables as ktd_variables
 
-_apply_depth = [0]
-_reducers = weakref.WeakKeyDictionary()  # optimizer -> OverlappedReducer
+class OptimizerSync:
+    """What gradient synchronisation keeps between and within steps."""
+
+    def __init__(self):
+        # Nesting of `optimizer_apply`: Keras optimizers that wrap another
+        # (LossScaleOptimizer) call apply again, and only the outermost
+        # call synchronises.
+        self.apply_depth = 0
+        # optimizer -> OverlappedReducer; its hooks sit on the parameters.
+        self.reducers = weakref.WeakKeyDictionary()
+
+    def clear(self):
+        """Forget every reducer and take its gradient hooks off."""
+        for reducer in list(self.reducers.values()):
+            reducer.remove()
+        self.reducers = weakref.WeakKeyDictionary()
+        self.apply_depth = 0
+
+
+optimizer_sync = OptimizerSync()
 
 
 def optimizer_apply(original, optimizer, grads, trainable_variables=None):
     """Align each gradient to its variable's layout and average gradients
     over data-parallel replicas, then apply. Collective: call on every rank."""
-    if _apply_depth[0] or len(grads) == 0:
+    if optimizer_sync.apply_depth or len(grads) == 0:
         return original(optimizer, grads, trainable_variables)
     if torch.compiler.is_compiling():
         # Inside a torch.compile'd train step: gradient sync (collectives,
@@ -55,11 +73,11 @@ def _apply(original, optimizer, grads, trainable_variables):
     group = replicas.current()
     if group.is_distributed:
         _synchronize(optimizer, grads, variables, group)
-    _apply_depth[0] += 1
+    optimizer_sync.apply_depth += 1
     try:
         return original(optimizer, grads, trainable_variables)
     finally:
-        _apply_depth[0] -= 1
+        optimizer_sync.apply_depth -= 1
         replicas.batch_weight.reset()
 
 
@@ -103,12 +121,13 @@ def _overlapped_reducer(optimizer, variables, group):
     plain tensor (data parallelism); None otherwise. Built on the first step
     (whose gradients are then averaged synchronously), reused after."""
     params = [_keras.raw_value(v) for v in variables]
-    reducer = _reducers.get(optimizer)
+    reducers = optimizer_sync.reducers
+    reducer = reducers.get(optimizer)
     if reducer is not None and [id(p) for p in reducer.params] == [id(p) for p in params]:
         return reducer
     if reducer is not None:
         reducer.remove()
-        del _reducers[optimizer]
+        del reducers[optimizer]
     if any(isinstance(p, DTensor) or not p.requires_grad for p in params):
         return None
     if ktd_variables.has_sharded_variables():
@@ -117,7 +136,7 @@ def _overlapped_reducer(optimizer, variables, group):
         # to their variables before averaging.
         return None
     reducer = overlap.OverlappedReducer(params, group.group, group.count)
-    _reducers[optimizer] = reducer
+    reducers[optimizer] = reducer
     return reducer
 
 

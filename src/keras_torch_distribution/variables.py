@@ -22,26 +22,44 @@ from keras_torch_distribution import sharded_init
 from keras_torch_distribution import tensors
 from keras_torch_distribution.log import warn_once
 
-_implicit_replication = []
-_sharded_variables_exist = [False]
+class VariablesState:
+    """Process-wide facts about this process's variables."""
+
+    def __init__(self):
+        # True once any variable of this process holds a DTensor: until
+        # then gradient sync takes the plain data-parallel paths.
+        self.sharded_exist = False
+        # The entered `implicit_replication` context while installed.
+        self.implicit_replication = None
+
+    def clear(self):
+        self.sharded_exist = False
+        disable_implicit_replication()
+
+
+state = VariablesState()
 
 
 def has_sharded_variables():
     """True once any variable of this process holds a DTensor."""
-    return _sharded_variables_exist[0]
+    return state.sharded_exist
 
 
 def enable_implicit_replication():
-    """Let plain tensors meet DTensors as replicated values, process-wide."""
-    if not _implicit_replication:
+    """Let plain tensors meet DTensors as replicated values, process-wide
+    while the package is installed, as a plain array meets a sharded one
+    anywhere in Keras on JAX: in fit's steps, in direct model calls, in
+    custom training loops and in keras_hub's generate alike."""
+    if state.implicit_replication is None:
         context = implicit_replication()
         context.__enter__()
-        _implicit_replication.append(context)
+        state.implicit_replication = context
 
 
 def disable_implicit_replication():
-    while _implicit_replication:
-        _implicit_replication.pop().__exit__(None, None, None)
+    if state.implicit_replication is not None:
+        context, state.implicit_replication = state.implicit_replication, None
+        context.__exit__(None, None, None)
 
 
 def sharded_layout(variable):
@@ -53,12 +71,12 @@ def sharded_layout(variable):
     cached = getattr(variable, "_ktd_layout", False)
     if cached is not False:
         return cached
-    layout = variable._layout
+    layout = _keras.variable_layout(variable)
     if layout is None:
         distribution = _keras.current_distribution()
         if distribution is not None:
             layout = distribution.get_variable_layout(variable)
-            variable._layout = layout
+            _keras.set_variable_layout(variable, layout)
     torch_layout = None
     if isinstance(layout, layouts.TorchLayout):
         torch_layout = layout
@@ -115,7 +133,7 @@ def warn_if_created_outside(variables, distribution):
     if distribution is None:
         return
     for variable in variables:
-        if getattr(variable, "_ktd_distributed", True) or variable._layout is not None:
+        if getattr(variable, "_ktd_distributed", True) or _keras.variable_layout(variable) is not None:
             continue
         layout = distribution.get_variable_layout(variable)
         if layout is not None and any(axis is not None for axis in layout.axes):
@@ -139,20 +157,20 @@ def _requires_grad(variable, tensor):
 
 def _set_value(variable, tensor):
     if isinstance(tensor, DTensor):
-        _sharded_variables_exist[0] = True
-    variable._value = torch.nn.Parameter(
-        tensor, requires_grad=_requires_grad(variable, tensor)
+        state.sharded_exist = True
+    _keras.set_raw_value(
+        variable, torch.nn.Parameter(tensor, requires_grad=_requires_grad(variable, tensor))
     )
 
 
 def initialize(original, variable, value):
     """Keras `Variable._initialize(value)`: shard a full initial value."""
     if isinstance(value, torch.nn.Parameter):
-        variable._value = value
+        _keras.set_raw_value(variable, value)
         return
-    variable._shape = variable._validate_shape(tuple(value.shape))
+    _keras.set_stored_shape(variable, value.shape)
     torch_layout = sharded_layout(variable)
-    dtype = _keras.to_torch_dtype(variable._dtype)
+    dtype = _keras.to_torch_dtype(_keras.stored_dtype(variable))
     if torch_layout is None:
         tensor = tensors.full_value(tensors.as_torch(value, dtype))
         _set_value(variable, tensor.detach())
@@ -165,17 +183,17 @@ def initialize_with_initializer(original, variable, initializer):
     torch_layout = sharded_layout(variable)
     if torch_layout is None:
         return original(variable, initializer)
-    shape = tuple(variable._shape)
+    shape = _keras.stored_shape(variable)
     box = layouts.local_box(shape, torch_layout.mesh, torch_layout.placements)
     block = sharded_init.init_block(
-        initializer, shape, variable._dtype, box, variable.path
+        initializer, shape, _keras.stored_dtype(variable), box, variable.path
     )
     _set_value(variable, tensors.from_local_block(block, torch_layout, shape))
 
 
 def direct_assign(original, variable, value):
     """Keras `Variable._direct_assign`: reshard the new value into place."""
-    current = variable._value
+    current = _keras.raw_value(variable)
     if isinstance(current, DTensor):
         torch_layout = sharded_layout(variable)
         new = tensors.to_layout(value, torch_layout)
@@ -199,16 +217,17 @@ def to_numpy(original, variable, dtype=None, copy=None):
             "variable on the torch backend cannot be viewed as a numpy array "
             "without a copy. Use np.asarray(variable) (copy=None)."
         )
-    if not isinstance(variable._value, DTensor):
+    stored = _keras.raw_value(variable)
+    if not isinstance(stored, DTensor):
         return original(variable, dtype)
-    full = tensors.full_value(variable._value.detach())
+    full = tensors.full_value(stored.detach())
     value = _keras.convert_to_numpy(full)
     return value.astype(dtype) if dtype else value
 
 
 def describe(original, variable):
     """Keras `Variable.__repr__`, which never runs a collective."""
-    value = getattr(variable, "_value", None)
+    value = _keras.raw_value(variable)
     if not isinstance(value, DTensor):
         return original(variable)
     return (
@@ -220,6 +239,6 @@ def describe(original, variable):
 
 def local_bytes(variable):
     """Bytes this rank holds for a variable."""
-    value = variable._value
+    value = _keras.raw_value(variable)
     local = value.to_local() if isinstance(value, DTensor) else value
     return local.numel() * local.element_size()

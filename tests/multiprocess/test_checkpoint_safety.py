@@ -373,15 +373,15 @@ def backup_with_snapshots(backup_dir, snapshots):
             during["epoch"] = None
 
     os.makedirs(snapshots, exist_ok=True)
-    rename, rmtree = _files._rename, _files._rmtree
-    _files._rename, _files._rmtree = stopping_first(rename), stopping_first(rmtree)
+    rename, rmtree = _files.rename, _files._rmtree
+    _files.rename, _files._rmtree = stopping_first(rename), stopping_first(rmtree)
     try:
         model.fit(
             x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
             callbacks=[Track(), keras.callbacks.BackupAndRestore(backup_dir)],
         )
     finally:
-        _files._rename, _files._rmtree = rename, rmtree
+        _files.rename, _files._rmtree = rename, rmtree
     return checkpoint_values(model)
 
 

@@ -66,7 +66,7 @@ def _destroy():
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    layouts.clear_mesh_cache()
+    layouts.torch_meshes.clear()
 
 
 def _initialize_explicit(job_addresses, world, rank_by_pid=None):

@@ -80,17 +80,21 @@ def test_short_layouts_are_prefixes_as_on_jax(pool2, rules):
             assert tuple(got["query_axes"]) == (None, "model")
 
 
-def uneven_einsum(heads):
-    """An EinsumDense kernel of `heads` heads sharded over the 2 processes."""
+def uneven_einsum(heads, distributed=True):
+    """An EinsumDense kernel of `heads` heads sharded over the 2 processes
+    (or, with distributed=False, in one process): its output, and its
+    kernel after one fit step."""
     import keras
 
     from keras_torch_distribution import log
 
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((2,), ["model"], devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*heads/kernel"] = (None, "model", None)
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.distribution.set_distribution(None)
+    if distributed:
+        devices = keras.distribution.list_devices()
+        mesh = keras.distribution.DeviceMesh((2,), ["model"], devices)
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*heads/kernel"] = (None, "model", None)
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     keras.utils.set_random_seed(2)
     records = []
     handler = _ListHandler(records)
@@ -101,13 +105,15 @@ def uneven_einsum(heads):
             "btd,dnh->btnh", output_shape=(None, heads, 4), name="heads"
         )(inputs)
         model = keras.Model(inputs, outputs)
-        x = np.ones((2, 5, 8), "float32")
-        try:
-            result = ("ok", model(x).shape)
-        except ValueError as error:
-            result = ("ValueError", str(error))
+        x = np.linspace(-1, 1, 2 * 5 * 8, dtype="float32").reshape(2, 5, 8)
+        y = np.ones((2, 5, heads, 4), "float32")
+        output = keras.ops.convert_to_numpy(model(x))
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+        result = (output, np.asarray(model.get_layer("heads").kernel))
     finally:
         log.logger.removeHandler(handler)
+        keras.distribution.set_distribution(None)
     return result, records
 
 
@@ -123,19 +129,20 @@ class _ListHandler:
 
 def test_uneven_einsum_kernels(pool2):
     # 1 head over 2 processes (keras_hub's Gemma test config, 1 key/value
-    # head): replicated, with a warning, and it runs.
-    for (kind, shape), records in pool2.run(uneven_einsum, 1)[:1]:
-        assert kind == "ok" and tuple(shape) == (2, 5, 1, 4)
-        assert any("splits dims [1] over more processes than they have entries, so "
-                   "they are replicated instead (layout (None, None, None))" in r
-                   for r in records), records
-    # 3 heads over 2: DTensor cannot reshape it; the error names the
-    # variable and a layout that works.
-    for (kind, message), _ in pool2.run(uneven_einsum, 3):
-        assert kind == "ValueError", message
-        assert ("variable 'heads/kernel' (shape (8, 3, 4), layout (None, "
-                "'model', None)) splits dim 1 of size 3 over 2 processes; a layout that "
-                "works: (None, None, None)") in message, message
+    # head): replicated, with a warning. 3 heads over 2: sharded unevenly
+    # (2 + 1). Both give one process's output and fit step.
+    for heads in (1, 3):
+        (want_output, want_kernel), _ = uneven_einsum(heads, distributed=False)
+        for rank, ((output, kernel), records) in enumerate(pool2.run(uneven_einsum, heads)):
+            where = f"{heads} heads, rank {rank}"
+            np.testing.assert_allclose(output, want_output, rtol=1e-6, atol=1e-6, err_msg=where)
+            np.testing.assert_allclose(kernel, want_kernel, rtol=1e-6, atol=1e-6, err_msg=where)
+            replicated = any(
+                "splits dims [1] over more processes than they have entries, so "
+                "they are replicated instead (layout (None, None, None))" in r
+                for r in records
+            )
+            assert replicated == (heads == 1 and rank == 0), (where, records)
 
 
 def keras_file_writers(directory):

@@ -47,6 +47,8 @@ def train_and_save(directory):
         keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
     ]
     model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=callbacks)
+    # The user's callbacks are not edited on any rank.
+    assert callbacks[1].filename == os.path.join(directory, "log.csv")
     model.save(os.path.join(directory, "final.keras"))
     model.save_weights(os.path.join(directory, "final.weights.h5"))
     # Every rank returns only once rank 0's files are complete.

@@ -48,14 +48,14 @@ def one_process_world():
     """A world of one process for the test; removed (with its meshes) after."""
     if dist.is_initialized():
         pytest.skip("another test left a process group in the pytest process")
-    layouts.clear_mesh_cache()
+    layouts.torch_meshes.clear()
     try:
         yield
     finally:
         keras.distribution.set_distribution(None)
         if dist.is_initialized():
             dist.destroy_process_group()
-        layouts.clear_mesh_cache()
+        layouts.torch_meshes.clear()
 
 
 # ---------------------------------------------------------------------------

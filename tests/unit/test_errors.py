@@ -120,7 +120,7 @@ def test_bad_settings(monkeypatch, variable, value, message):
 
 
 class _Records:
-    """Collects the package logger's records (it does not propagate)."""
+    """Collects the package logger's records."""
 
     def __init__(self):
         import logging

@@ -180,3 +180,71 @@ def test_the_checks_find_offenders(fake_package):
     assert layer_violations(fake_package, layers) == ([], [("high", "top")])
     assert layer_violations(fake_package, layers[:-1]) == (["__init__"], [("high", "top")])
     assert _keras_src_importers(fake_package) == ["sub.leaf", "top"]
+
+
+def _keras_private_names():
+    """Private attribute names of the Keras objects the package handles
+    (variables, layers, models, optimizers, callbacks), from live objects."""
+    import keras
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    objects = [
+        model,
+        model.layers[0],
+        model.layers[0].kernel,
+        model.optimizer,
+        keras.random.SeedGenerator(1),
+        keras.callbacks.BackupAndRestore("unused"),
+        keras.callbacks.CSVLogger("unused.csv"),
+        keras.callbacks.ModelCheckpoint("unused.keras"),
+        keras.callbacks.CallbackList([]),
+    ]
+    names = set()
+    for obj in objects:
+        for name in list(vars(obj)) + dir(type(obj)):
+            if name.startswith("_") and not name.startswith("__") and not name.startswith("_ktd_"):
+                names.add(name)
+    return names
+
+
+def private_keras_reads(package_dir, private_names):
+    """(module, attribute) where a module other than `_keras` reads or
+    writes a private attribute of a Keras object (by name: `x._name` with
+    `_name` one of Keras' private names), `self._name` aside."""
+    found = []
+    for module, path in sorted(_modules(package_dir).items()):
+        if module == "_keras":
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in private_names
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+            ):
+                found.append((module, node.attr))
+    return sorted(set(found))
+
+
+def test_only_the_seam_reads_private_attributes_of_keras_objects():
+    offenders = private_keras_reads(PACKAGE_DIR, _keras_private_names())
+    assert offenders == [], (
+        f"{offenders} reach into private attributes of Keras objects; only "
+        "_keras.py may. Add an accessor to _keras.py and use it."
+    )
+
+
+def test_the_private_attribute_check_finds_offenders(tmp_path):
+    package = tmp_path / PACKAGE
+    package.mkdir()
+    (package / "_keras.py").write_text("def raw(v):\n    return v._value\n")
+    (package / "user.py").write_text(
+        "def f(variable, callback):\n    variable._value = 1\n    return callback._current_epoch\n"
+    )
+    (package / "own.py").write_text("class A:\n    def f(self):\n        return self._value\n")
+    names = {"_value", "_current_epoch"}
+    assert private_keras_reads(str(package), names) == [
+        ("user", "_current_epoch"),
+        ("user", "_value"),
+    ]

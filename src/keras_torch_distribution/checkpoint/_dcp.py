@@ -441,19 +441,24 @@ def save(model, path, optimizer=True, extra=None):
     return path
 
 
-_async_group = []
+_async_group = {}  # world group -> its gloo group for background saves
 _unfinished = []  # PendingCheckpoints whose result() was not called yet
 _unfinished_lock = threading.Lock()
 
 
 def _async_process_group():
-    """A gloo group of all ranks for background saves, created once so the
-    writer thread's collectives never interleave with training's."""
+    """A gloo group of all ranks for background saves, created once per
+    process group (a group from before the process group was destroyed and
+    started again is dead) so the writer thread's collectives never
+    interleave with training's. Collective the first time: every rank
+    saves."""
     if _no_dist():
         return None
-    if not _async_group:
-        _async_group.append(dist.new_group(backend="gloo"))
-    return _async_group[0]
+    world = dist.group.WORLD
+    if world not in _async_group:
+        _async_group.clear()
+        _async_group[world] = dist.new_group(backend="gloo")
+    return _async_group[world]
 
 
 class PendingCheckpoint:

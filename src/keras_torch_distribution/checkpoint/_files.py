@@ -343,7 +343,7 @@ def finish(path, marker, written, group=None):
 
 # Rank 0's renames and removals go through these two (tests wrap them to
 # stop at each step of a replacement).
-def _rename(source, target):
+def rename(source, target):
     os.rename(source, target)
 
 
@@ -367,7 +367,7 @@ def write_json_atomically(path, value):
         json.dump(value, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _rename(temporary, path)
+    rename(temporary, path)
     _fsync_directory(os.path.dirname(path))
 
 
@@ -377,7 +377,7 @@ def remove_checkpoint(directory):
     trash = directory + REMOVING_SUFFIX
     if os.path.exists(trash):
         _rmtree(trash)
-    _rename(directory, trash)
+    rename(directory, trash)
     _rmtree(trash)
 
 
@@ -394,11 +394,11 @@ def settle(path):
         if os.path.exists(path):
             if os.path.exists(old):
                 remove_checkpoint(old)
-            _rename(path, old)
-        _rename(temporary, path)
+            rename(path, old)
+        rename(temporary, path)
         _fsync_directory(os.path.dirname(path))
     elif not os.path.exists(path) and has_marker(old):
-        _rename(old, path)
+        rename(old, path)
         _fsync_directory(os.path.dirname(path))
     if os.path.exists(old):
         remove_checkpoint(old)

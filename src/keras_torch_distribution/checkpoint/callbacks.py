@@ -202,13 +202,10 @@ def backup_save(original, callback):
                 _files.settle(previous)
                 if os.path.exists(previous):
                     _files.remove_checkpoint(previous)
-                _files._rename(latest_path, previous)
+                _files.rename(latest_path, previous)
     _files.barrier()
-    _dcp.save(
-        callback.model,
-        latest_path,
-        extra={"epoch": callback._current_epoch, "batch": callback._last_batch_seen},
-    )
+    epoch, batch = _keras.backup_position(callback)
+    _dcp.save(callback.model, latest_path, extra={"epoch": epoch, "batch": batch})
 
 
 def backup_load(original, callback):

@@ -1,0 +1,96 @@
+"""`uninstall()` undoes everything `install()` and training left behind:
+torch's own DTensor rules and handlers, implicit replication off, gradient
+hooks off the parameters, and every state object cleared. No process group."""
+
+import keras
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import keras_torch_distribution
+from keras_torch_distribution import _install
+from keras_torch_distribution import fsdp
+from keras_torch_distribution import overlap
+from keras_torch_distribution import replica_start
+from keras_torch_distribution import replicas
+from keras_torch_distribution import sharding_rules
+from keras_torch_distribution import trainer
+from keras_torch_distribution import variables
+
+_RULE_OPS = (
+    torch.ops.aten.convolution.default,
+    torch.ops.aten.convolution_backward.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+
+
+@pytest.fixture
+def reinstall():
+    yield
+    keras_torch_distribution.install()
+    assert keras_torch_distribution.is_installed()
+
+
+def _dtensor_tables():
+    dispatcher = DTensor._op_dispatcher
+    propagator = dispatcher.sharding_propagator
+    return {
+        op: (
+            propagator.op_strategy_funcs.get(op),
+            propagator.op_to_schema_info.get(op),
+            dispatcher._custom_op_handlers.get(op),
+        )
+        for op in _RULE_OPS
+    }
+
+
+def _implicit_replication():
+    return DTensor._op_dispatcher._allow_implicit_replication
+
+
+def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
+    keras_torch_distribution.uninstall()
+    torch_own = _dtensor_tables()
+    assert not _implicit_replication()
+    # torch handles convolution with its own handler until we install.
+    assert torch_own[torch.ops.aten.convolution.default][2] is not None
+
+    keras_torch_distribution.install()
+    ours = _dtensor_tables()
+    assert _implicit_replication()
+    for op in _RULE_OPS:
+        assert ours[op][0] is not torch_own[op][0], op
+    assert ours[torch.ops.aten.convolution.default][2] is None
+
+    keras_torch_distribution.uninstall()
+    assert _dtensor_tables() == torch_own
+    assert not _implicit_replication()
+    assert not sharding_rules.registration.active
+
+
+def test_uninstall_removes_gradient_hooks_and_clears_state(reinstall):
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    reducer = overlap.OverlappedReducer(params, group=None, count=2)
+    optimizer = keras.optimizers.SGD()
+    trainer.optimizer_sync.reducers[optimizer] = reducer
+    assert all(p._post_accumulate_grad_hooks for p in params)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    replica_start.equalized.models.add(model)
+    fsdp.state.plans_exist = True
+    variables.state.sharded_exist = True
+    replicas.batch_weight.set(0.5, rows=(8, 0, 4))
+    replicas.cache.by_key["key"] = replicas.Replicas(2, 0, None)
+
+    keras_torch_distribution.uninstall()
+
+    assert not any(p._post_accumulate_grad_hooks for p in params)
+    assert len(trainer.optimizer_sync.reducers) == 0
+    assert trainer.optimizer_sync.apply_depth == 0
+    assert model not in replica_start.equalized.models
+    assert not fsdp.plans_exist()
+    assert not variables.has_sharded_variables()
+    assert (replicas.batch_weight.value, replicas.batch_weight.rows) == (1.0, None)
+    assert replicas.cache.by_key == {}
+    # Every state object has a clear() that uninstall calls.
+    for state in _install._state_objects():
+        assert callable(state.clear), state
