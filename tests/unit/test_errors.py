@@ -22,13 +22,26 @@ from helpers import model_parallel  # noqa: E402
 
 @pytest.fixture
 def one_process():
-    """A world of one process, no distribution set before or after."""
+    """A world of one process, no distribution set before or after. The
+    group is removed afterwards (with the meshes and replica groups built
+    on it) when this fixture started it: later tests in the pytest process
+    expect none."""
+    import torch.distributed as dist
+
+    from keras_torch_distribution import layouts
+    from keras_torch_distribution import replicas
+
+    started = not dist.is_initialized()
     keras.distribution.initialize()
     keras.distribution.set_distribution(None)
     keras.backend.clear_session()
     yield keras.distribution.list_devices()
     keras.distribution.set_distribution(None)
     keras.backend.clear_session()
+    if started and dist.is_initialized():
+        dist.destroy_process_group()
+        replicas.cache.clear()
+        layouts.torch_meshes.clear()
 
 
 def _dense_model(units=4):
