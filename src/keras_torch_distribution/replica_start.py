@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import collectives
 from keras_torch_distribution import compiled
-from keras_torch_distribution import gradients
 from keras_torch_distribution import runtime
 from keras_torch_distribution import trainer
 from keras_torch_distribution.log import logger
@@ -102,9 +102,8 @@ def _equalize(variables):
             _add(groups, dist.group.WORLD, 0, value)
     count = 0
     for group, (source, tensors) in groups.items():
-        for bucket in gradients._buckets(tensors):
-            _broadcast(bucket, source, group)
-            count += len(bucket)
+        collectives.broadcast(tensors, source, group)
+        count += len(tensors)
     return count
 
 
@@ -112,13 +111,3 @@ def _add(groups, group, source, tensor):
     if tensor.numel():
         groups.setdefault(group, (source, []))[1].append(tensor)
 
-
-def _broadcast(bucket, source, group):
-    views = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in bucket]
-    flat = torch.cat([t.reshape(-1) for t in views])
-    dist.broadcast(flat, src=source, group=group)
-    offset = 0
-    for t in views:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from keras_torch_distribution import _keras
 from keras_torch_distribution import agreement
 from keras_torch_distribution import boundary
+from keras_torch_distribution import collectives
 from keras_torch_distribution import compiled
 from keras_torch_distribution import gradients
 from keras_torch_distribution import overlap
@@ -95,7 +96,7 @@ def _synchronize(optimizer, grads, variables_, group):
         accumulators = _keras.gradient_accumulators(optimizer, kept)
         local += [gradients.local_part(_keras.raw_value(a)) for a in accumulators]
         scale = 1.0
-    gradients.all_reduce_mean(local, group.group, group.count, scale)
+    collectives.all_reduce(local, group.group, scale / group.count)
 
 
 def _overlapped_reducer(optimizer, variables, group):
@@ -144,24 +145,14 @@ def metrics_result(original, model):
 
 
 def _reduce_states(states, group):
+    """Each state in float64, weighted by its aggregation, summed over the
+    replicas in one flat all-reduce; back in its own dtype."""
     values = [boundary.plain(v.value).detach() for v in states]
-    if not values:
-        return []
-    flat = torch.cat([v.reshape(-1).to(torch.float64) for v in values])
-    weights = torch.cat(
-        [
-            torch.full((v.numel(),), _state_weight(s, group), dtype=torch.float64)
-            for v, s in zip(values, states)
-        ]
-    ).to(flat.device)
-    flat.mul_(weights)
-    dist.all_reduce(flat, group=group.group)
-    reduced, offset = [], 0
-    for v in values:
-        n = v.numel()
-        reduced.append(flat[offset : offset + n].view(v.shape).to(v.dtype))
-        offset += n
-    return reduced
+    weighted = [
+        v.to(torch.float64) * _state_weight(s, group) for v, s in zip(values, states)
+    ]
+    collectives.all_reduce(weighted, group.group, bucket_bytes=None)
+    return [w.to(v.dtype) for w, v in zip(weighted, values)]
 
 
 def _state_weight(variable, group):
