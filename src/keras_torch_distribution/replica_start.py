@@ -69,7 +69,7 @@ def _starting_equal(model, kind, result):
 
     def step_starting_equal(data):
         owner = model_ref()
-        if owner is not None and owner not in _equal and runtime.num_processes() > 1:
+        if owner is not None and owner not in _equal and runtime.is_multi_process():
             equalize(owner)
         return function(data)
 

@@ -46,10 +46,10 @@ def current():
     distribution = _keras.current_distribution()
     if distribution is None:
         return _SINGLE
-    world = dist.group.WORLD if dist.is_initialized() else None
+    world = dist.group.WORLD if runtime.is_initialized() else None
     if distribution is _last[0] and world is _last[1]:
         return _last[2]
-    if runtime.num_processes() == 1:
+    if not runtime.is_multi_process():
         return _SINGLE
     key = (layouts.mesh_key(distribution.device_mesh), distribution.batch_dim_name)
     replicas = _cache.get(key)
@@ -75,7 +75,7 @@ def _build(distribution):
         return Replicas(1, 0, None)
     torch_mesh = layouts.to_torch_mesh(keras_mesh)
     coordinate = torch_mesh.get_coordinate()[index]
-    if count == dist.get_world_size():
+    if count == runtime.num_processes():
         group = dist.group.WORLD
     else:
         group = torch_mesh.get_group(batch_axis)

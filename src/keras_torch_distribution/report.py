@@ -47,8 +47,8 @@ def report(model, print_fn=None):
     """
     rows = shard_table(model)
     tables = [rows]
-    if runtime.is_initialized() and dist.get_world_size() > 1:
-        tables = [None] * dist.get_world_size()
+    if runtime.is_multi_process():
+        tables = [None] * runtime.num_processes()
         dist.all_gather_object(tables, rows)
     if runtime.process_id() == 0:
         (print_fn or logger.warning)(format_report(tables))

@@ -344,9 +344,16 @@ def _start_on_first_use(use):
 
 
 def num_processes():
+    """Processes in the running process group; 1 when none runs."""
     if is_initialized():
         return dist.get_world_size()
     return 1
+
+
+def is_multi_process():
+    """True when this process is one of several in a running process
+    group: the test for collectives, barriers and per-rank files."""
+    return num_processes() > 1
 
 
 def process_id():
