@@ -26,7 +26,9 @@ _active_forward = [None]  # (model, forward) while a compiled step runs
 
 
 def plain(value):
-    return tensors.full_value(value) if isinstance(value, DTensor) else value
+    """The whole value of a tensor (see `tensors.full_value`). Collective for
+    DTensors: call on every rank."""
+    return tensors.full_value(value)
 
 
 def layer_call(original, layer, *args, **kwargs):

@@ -30,7 +30,3 @@ def align(grad, value):
     if isinstance(grad, DTensor):
         return tensors.full_value(grad)
     return grad
-
-
-def local_part(tensor):
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -25,6 +25,7 @@ from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution import saving
+from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
 from keras_torch_distribution import variables as ktd_variables
 
@@ -78,7 +79,7 @@ def _synchronize(optimizer, grads, variables_, group):
     # reduce-scattered and averaged by their gather's backward.
     replicated = [variables.gather_plan(v) is None for v in variables_]
     local = [
-        gradients.local_part(g)
+        tensors.local_part(g)
         for g, keep in zip(grads, replicated)
         if g is not None and keep
     ]
@@ -94,7 +95,7 @@ def _synchronize(optimizer, grads, variables_, group):
             return
         kept = [v for v, keep in zip(variables_, replicated) if keep]
         accumulators = _keras.gradient_accumulators(optimizer, kept)
-        local += [gradients.local_part(_keras.raw_value(a)) for a in accumulators]
+        local += [tensors.local_part(_keras.raw_value(a)) for a in accumulators]
         scale = 1.0
     collectives.all_reduce(local, group.group, scale / group.count)
 

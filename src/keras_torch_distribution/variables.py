@@ -221,5 +221,5 @@ def describe(original, variable):
 def local_bytes(variable):
     """Bytes this rank holds for a variable."""
     value = variable._value
-    local = value.to_local() if isinstance(value, DTensor) else value
+    local = tensors.local_part(value)
     return local.numel() * local.element_size()
