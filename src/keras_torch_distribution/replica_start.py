@@ -41,12 +41,12 @@ _equal = weakref.WeakKeyDictionary()  # model -> True once its copies are equal
 
 
 def make_train_function(original, model, force=False):
-    result = compiled.make_train_function(original, model, force)
+    result = compiled.make_step_function("train", original, model, force)
     return _starting_equal(model, "train", result)
 
 
 def make_test_function(original, model, force=False):
-    result = compiled.make_test_function(original, model, force)
+    result = compiled.make_step_function("test", original, model, force)
     return _starting_equal(model, "test", result)
 
 

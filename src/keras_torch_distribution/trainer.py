@@ -170,7 +170,7 @@ def make_predict_function(original, model, force=False):
     input order (and, as `make_train_function`, compiles the model's
     outermost call under jit_compile=True). Collective per batch: call on
     every rank."""
-    result = compiled.make_predict_function(original, model, force)
+    result = compiled.make_step_function("predict", original, model, force)
     function = model.predict_function
     if getattr(function, "_ktd_gathers", False):
         return result
