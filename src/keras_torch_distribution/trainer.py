@@ -3,9 +3,10 @@
 Replaces, through the seam, `Optimizer.apply` (gradients are aligned to
 their variables and averaged over data-parallel replicas),
 `Model.get_metrics_result` (metric states are summed over replicas before
-results are computed), the predict function (predictions of every replica
-are gathered in order) and fit / evaluate / predict (logs and files from
-rank 0). The model boundary is `boundary.py`, jit_compile `compiled.py`.
+results are computed) and fit / evaluate / predict (logs and files from
+rank 0); gathers the predictions of every replica, in order, for the
+predict step (`replica_start.make_step_function`). The model boundary is
+`boundary.py`, jit_compile `compiled.py`.
 """
 
 import weakref
@@ -19,7 +20,6 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import agreement
 from keras_torch_distribution import boundary
 from keras_torch_distribution import collectives
-from keras_torch_distribution import compiled
 from keras_torch_distribution import gradients
 from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
@@ -165,31 +165,14 @@ def _state_weight(variable, group):
     return 1.0  # "sum" (Keras metrics' default) and "none"
 
 
-def make_predict_function(original, model, force=False):
-    """The predict function returns the predictions of every replica, in
-    input order (and, as `make_train_function`, compiles the model's
-    outermost call under jit_compile=True). Collective per batch: call on
-    every rank."""
-    result = compiled.make_step_function("predict", original, model, force)
-    function = model.predict_function
-    if getattr(function, "_ktd_gathers", False):
-        return result
-
-    def predict_on_every_replica(data_batch):
-        outputs = function(data_batch)
-        group = replicas.current()
-        if not group.is_distributed:
-            return outputs
-        return keras.tree.map_structure(
-            lambda t: _gather_rows(t, group), outputs
-        )
-
-    predict_on_every_replica._ktd_gathers = True
-    predict_on_every_replica._ktd_compiled_forward = getattr(
-        function, "_ktd_compiled_forward", False
-    )
-    model.predict_function = predict_on_every_replica
-    return result
+def gather_predictions(outputs):
+    """The outputs of one predict step with the rows of every replica, in
+    input order (as one process predicting on the global batch returns
+    them). Collective: call on every rank."""
+    group = replicas.current()
+    if not group.is_distributed:
+        return outputs
+    return keras.tree.map_structure(lambda t: _gather_rows(t, group), outputs)
 
 
 def _gather_rows(tensor, group):
