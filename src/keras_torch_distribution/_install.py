@@ -6,6 +6,8 @@ that every target exists before changing anything, keeps the originals, and
 `uninstall()` puts everything back and clears every cache.
 """
 
+import functools
+
 import keras
 
 from keras_torch_distribution import _keras
@@ -79,11 +81,18 @@ def _patch_table():
         Patch(k.Layer, "_get_regularization_losses", boundary.plain_losses, wrap=True),
         # Distributions check their batch axis and mesh when constructed.
         Patch(k.Distribution, "__init__", distribution_lib.check_distribution, wrap=True),
-        # Step functions: replicas made equal before the first step, then
-        # Keras' step (the model call compiled under jit_compile=True).
-        Patch(k.TorchTrainer, "make_train_function", replica_start.make_train_function, wrap=True),
-        Patch(k.TorchTrainer, "make_test_function", replica_start.make_test_function, wrap=True),
-        Patch(k.TorchTrainer, "make_predict_function", replica_start.make_predict_function, wrap=True),
+        # Step functions, one factory for train / test / predict: replicas
+        # made equal before the first step, then Keras' step (the model call
+        # compiled under jit_compile=True); predictions of every replica.
+        *[
+            Patch(
+                k.TorchTrainer,
+                f"make_{kind}_function",
+                functools.partial(replica_start.make_step_function, kind),
+                wrap=True,
+            )
+            for kind in compiled.STEP_KINDS
+        ],
         # A replica's rows (and a sharded activation's columns) of the random
         # draws one process makes for the global batch.
         Patch(k.torch_random_module, "dropout", random_slices.dropout, wrap=True),

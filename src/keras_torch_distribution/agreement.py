@@ -73,15 +73,15 @@ def _mesh_text(distribution):
 def check(method, model, args, kwargs):
     """Raise RanksDisagreeError on every rank when the ranks' descriptions of
     this call differ. Collective: call on every rank."""
-    if _keras.current_distribution() is None or runtime.num_processes() == 1:
+    if _keras.current_distribution() is None or not runtime.is_multi_process():
         return
     items = describe(method, model, args, kwargs)
     digest = hashlib.sha256(repr(items).encode()).hexdigest()[:16]
-    digests = [None] * dist.get_world_size()
+    digests = [None] * runtime.num_processes()
     dist.all_gather_object(digests, digest)
     if len(set(digests)) == 1:
         return
-    everyone = [None] * dist.get_world_size()
+    everyone = [None] * runtime.num_processes()
     dist.all_gather_object(everyone, dict(items))
     raise RanksDisagreeError(first_difference(everyone, method))
 

@@ -38,7 +38,9 @@ active_forward = ActiveForward()
 
 
 def plain(value):
-    return tensors.full_value(value) if isinstance(value, DTensor) else value
+    """The whole value of a tensor (see `tensors.full_value`). Collective for
+    DTensors: call on every rank."""
+    return tensors.full_value(value)
 
 
 def layer_call(original, layer, *args, **kwargs):

@@ -13,8 +13,8 @@ outputs -- runs through torch.compile; its backward is AOTAutograd's
 compiled backward. Gradient sync and the optimizer update run eagerly,
 overlapped with that backward as without compilation. Replaces, through
 the seam, Keras' `make_train_function` / `make_test_function` /
-`make_predict_function` (so steps made by user code before `fit` get this
-too) and Keras' flash-attention check while compiling.
+`make_predict_function` (one factory, `make_step_function`, so steps made
+by user code before `fit` get this too) and Keras' flash-attention check while compiling.
 """
 
 import types
@@ -133,30 +133,28 @@ def _builds_compiled_step(model, existing, force):
     )
 
 
-def make_train_function(original, model, force=False):
-    """Keras' train function; for a model compiled with jit_compile=True
+# The step kinds Keras makes functions for: kind -> whether its step runs
+# without gradients.
+STEP_KINDS = {"train": False, "test": True, "predict": True}
+
+
+def make_step_function(kind, original, model, force=False):
+    """Keras' `make_train_function` / `make_test_function` /
+    `make_predict_function` (`kind`: "train", "test" or "predict";
+    `original`: Keras' own). For a model compiled with jit_compile=True
     under a distribution, Keras' eager step with the model's outermost call
     through torch.compile (see above), also when user code calls
     `make_train_function()` itself."""
-    if _builds_compiled_step(model, model.train_function, force):
-        model.train_function = _step_function(model, model.train_step, False)
-        return model.train_function
-    return original(model, force)
-
-
-def make_test_function(original, model, force=False):
-    """As `make_train_function`, for evaluate."""
-    if _builds_compiled_step(model, model.test_function, force):
-        model.test_function = _step_function(model, model.test_step, True)
-        return model.test_function
-    return original(model, force)
-
-
-def make_predict_function(original, model, force=False):
-    """As `make_train_function`, for predict."""
-    if _builds_compiled_step(model, model.predict_function, force):
-        model.predict_function = _step_function(model, model.predict_step, True)
-        return model.predict_function
+    if kind not in STEP_KINDS:
+        raise ValueError(
+            f"kind={kind!r} is not a step kind: expected one of "
+            f"{sorted(STEP_KINDS)}, as in Keras' make_<kind>_function."
+        )
+    if _builds_compiled_step(model, _keras.model_step_function(model, kind), force):
+        step = getattr(model, f"{kind}_step")
+        function = _step_function(model, step, STEP_KINDS[kind])
+        _keras.set_model_step_function(model, kind, function)
+        return function
     return original(model, force)
 
 

@@ -56,7 +56,7 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
     distribution = _keras.current_distribution()
     if (
         distribution is None
-        or runtime.num_processes() == 1
+        or not runtime.is_multi_process()
         or _keras.is_data_adapter(x)
     ):
         return original(**arguments)

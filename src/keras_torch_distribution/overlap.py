@@ -15,11 +15,9 @@ what was launched; the caller then averages the gradients synchronously.
 """
 
 import torch
-import torch.distributed as dist
 
+from keras_torch_distribution import collectives
 from keras_torch_distribution import replicas
-
-BUCKET_BYTES = 4 * 1024 * 1024
 
 
 class OverlappedReducer:
@@ -29,7 +27,9 @@ class OverlappedReducer:
         self.params = list(params)
         self.group = group
         self.count = count
-        self.buckets = _buckets(list(reversed(self.params)))
+        self.buckets = collectives.buckets(
+            list(reversed(self.params)), collectives.OVERLAP_BUCKET_BYTES
+        )
         self.bucket_of = {}
         for index, bucket in enumerate(self.buckets):
             for param in bucket:
@@ -41,7 +41,7 @@ class OverlappedReducer:
 
     def _reset(self):
         self.ready = [0] * len(self.buckets)
-        self.works = {}  # bucket index -> (work, flat tensor)
+        self.works = {}  # bucket index -> collectives.FlatBucket in flight
         self.next_to_launch = 0
         self.dirty = False
         self.seen = False
@@ -62,15 +62,14 @@ class OverlappedReducer:
 
     def _launch(self, index):
         pieces = [
-            p.grad.reshape(-1) if p.grad is not None else torch.zeros(
+            p.grad if p.grad is not None else torch.zeros(
                 p.numel(), dtype=p.dtype, device=p.device
             )
             for p in self.buckets[index]
         ]
-        flat = torch.cat(pieces)
-        flat.mul_(replicas.batch_scale() / self.count)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self.works[index] = (work, flat)
+        self.works[index] = collectives.FlatBucket(pieces).all_reduce(
+            self.group, replicas.batch_scale() / self.count, async_op=True
+        )
 
     def finish(self, grads):
         """Complete this step's all-reduces; True if `grads` now hold the
@@ -84,16 +83,11 @@ class OverlappedReducer:
             self._launch(self.next_to_launch)  # buckets with unused params
             self.next_to_launch += 1
         for index in sorted(self.works):
-            self.works[index][0].wait()
+            self.works[index].wait()
         usable = own and not self.dirty
         if usable:
-            for index, (_, flat) in self.works.items():
-                offset = 0
-                for param in self.buckets[index]:
-                    n = param.numel()
-                    if param.grad is not None:
-                        param.grad.copy_(flat[offset : offset + n].view_as(param.grad))
-                    offset += n
+            for index, bucket in self.works.items():
+                bucket.copy_back([p.grad for p in self.buckets[index]])
         self._reset()
         return usable
 
@@ -101,18 +95,3 @@ class OverlappedReducer:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-def _buckets(params):
-    buckets, current, size = [], [], 0
-    for param in params:
-        if current and (
-            size >= BUCKET_BYTES or param.dtype != current[0].dtype
-        ):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(param)
-        size += param.numel() * param.element_size()
-    if current:
-        buckets.append(current)
-    return buckets

@@ -44,6 +44,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import data
 from keras_torch_distribution import layouts
 from keras_torch_distribution import sharded_init
+from keras_torch_distribution import tensors
 
 
 def _batch_window(rows):
@@ -152,7 +153,7 @@ def _dropout_mask(inputs, rate, noise_shape, seed):
         global_noise = (global_rows,) + noise[1:]
         box = ((first + box[0][0], first + box[0][1]),) + tuple(box[1:])
     keep = 1.0 - rate
-    device = inputs.device if not sharded else inputs.to_local().device
+    device = tensors.local_part(inputs).device
     if seeded:
         generator = _keras.keras_generator_for_seed(seed)
 

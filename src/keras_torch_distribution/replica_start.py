@@ -19,8 +19,11 @@ the first step, and training loops that call the model and
 `optimizer.apply` themselves, are not covered.
 
 Replaces, through the seam, Keras' `make_train_function` /
-`make_test_function` / `make_predict_function` (after this package's own:
-`compiled` and `trainer`), wrapping the step function they make.
+`make_test_function` / `make_predict_function` with one factory,
+`make_step_function`: it wraps the step function `compiled` makes, once,
+in the one wrapper every step kind gets under a distribution (replicas
+made equal first; for predict, the predictions of every replica gathered
+by `trainer`).
 """
 
 import weakref
@@ -31,11 +34,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import collectives
 from keras_torch_distribution import compiled
-from keras_torch_distribution import gradients
 from keras_torch_distribution import runtime
 from keras_torch_distribution import trainer
 from keras_torch_distribution.log import logger
+
 
 class EqualizedModels:
     """The models whose copies were made equal across replicas (once per
@@ -51,43 +55,35 @@ class EqualizedModels:
 equalized = EqualizedModels()
 
 
-def make_train_function(original, model, force=False):
-    result = compiled.make_train_function(original, model, force)
-    return _starting_equal(model, "train", result)
-
-
-def make_test_function(original, model, force=False):
-    result = compiled.make_test_function(original, model, force)
-    return _starting_equal(model, "test", result)
-
-
-def make_predict_function(original, model, force=False):
-    result = trainer.make_predict_function(original, model, force)
-    return _starting_equal(model, "predict", result)
-
-
-def _starting_equal(model, kind, result):
-    """Wrap the model's `kind` step function so that its first call under
-    a distribution on several processes runs `equalize(model)`."""
+def make_step_function(kind, original, model, force=False):
+    """Keras' `make_<kind>_function` (`kind`: "train", "test" or "predict"):
+    the step function `compiled.make_step_function` makes, wrapped once
+    under a distribution. On several processes its first call runs
+    `equalize(model)`; a predict step returns the predictions of every
+    replica in input order (`trainer.gather_predictions`). Collective per
+    step: call on every rank."""
+    result = compiled.make_step_function(kind, original, model, force)
     function = _keras.model_step_function(model, kind)
     if (
         function is None
-        or getattr(function, "_ktd_starts_equal", False)
+        or getattr(function, "_ktd_distributed_step", False)
         or _keras.current_distribution() is None
     ):
         return result
     model_ref = weakref.ref(model)
+    gathers = kind == "predict"
 
-    def step_starting_equal(data):
+    def distributed_step(data):
         owner = model_ref()
-        if owner is not None and owner not in equalized.models and runtime.num_processes() > 1:
+        if owner is not None and owner not in equalized.models and runtime.is_multi_process():
             equalize(owner)
-        return function(data)
+        outputs = function(data)
+        return trainer.gather_predictions(outputs) if gathers else outputs
 
-    step_starting_equal.__dict__.update(function.__dict__)  # the _ktd_* marks
-    step_starting_equal._ktd_starts_equal = True
-    _keras.set_model_step_function(model, kind, step_starting_equal)
-    return step_starting_equal if result is function else result
+    distributed_step.__dict__.update(function.__dict__)  # the _ktd_* marks
+    distributed_step._ktd_distributed_step = True
+    _keras.set_model_step_function(model, kind, distributed_step)
+    return distributed_step if result is function else result
 
 
 def equalize(model):
@@ -113,9 +109,8 @@ def _equalize(variables):
             _add(groups, dist.group.WORLD, 0, value)
     count = 0
     for group, (source, tensors) in groups.items():
-        for bucket in gradients._buckets(tensors):
-            _broadcast(bucket, source, group)
-            count += len(bucket)
+        collectives.broadcast(tensors, source, group)
+        count += len(tensors)
     return count
 
 
@@ -123,13 +118,3 @@ def _add(groups, group, source, tensor):
     if tensor.numel():
         groups.setdefault(group, (source, []))[1].append(tensor)
 
-
-def _broadcast(bucket, source, group):
-    views = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in bucket]
-    flat = torch.cat([t.reshape(-1) for t in views])
-    dist.broadcast(flat, src=source, group=group)
-    offset = 0
-    for t in views:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n

@@ -61,11 +61,11 @@ def current():
     distribution = _keras.current_distribution()
     if distribution is None:
         return _SINGLE
-    world = dist.group.WORLD if dist.is_initialized() else None
+    world = dist.group.WORLD if runtime.is_initialized() else None
     last_distribution, last_world, last_replicas = cache.last
     if distribution is last_distribution and world is last_world:
         return last_replicas
-    if runtime.num_processes() == 1:
+    if not runtime.is_multi_process():
         return _SINGLE
     key = (layouts.mesh_key(distribution.device_mesh), distribution.batch_dim_name)
     replicas = cache.by_key.get(key)
@@ -91,7 +91,7 @@ def _build(distribution):
         return Replicas(1, 0, None)
     torch_mesh = layouts.to_torch_mesh(keras_mesh)
     coordinate = torch_mesh.get_coordinate()[index]
-    if count == dist.get_world_size():
+    if count == runtime.num_processes():
         group = dist.group.WORLD
     else:
         group = torch_mesh.get_group(batch_axis)

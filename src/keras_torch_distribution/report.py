@@ -6,10 +6,10 @@ from here too.
 """
 
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import runtime
+from keras_torch_distribution import tensors
 from keras_torch_distribution.checkpoint.inspect import checkpoint_table  # noqa: F401
 from keras_torch_distribution.checkpoint.inspect import format_checkpoint_table  # noqa: F401
 from keras_torch_distribution.log import logger
@@ -17,7 +17,7 @@ from keras_torch_distribution.log import logger
 
 def _rows_for(variable):
     value = _keras.raw_value(variable)
-    local = value.to_local() if isinstance(value, DTensor) else value
+    local = tensors.local_part(value)
     layout = getattr(variable, "_ktd_layout", None)
     axes = tuple(layout.axes) if layout is not None else "replicated"
     return {
@@ -47,8 +47,8 @@ def report(model, print_fn=None):
     """
     rows = shard_table(model)
     tables = [rows]
-    if runtime.is_initialized() and dist.get_world_size() > 1:
-        tables = [None] * dist.get_world_size()
+    if runtime.is_multi_process():
+        tables = [None] * runtime.num_processes()
         dist.all_gather_object(tables, rows)
     if runtime.process_id() == 0:
         (print_fn or logger.warning)(format_report(tables))

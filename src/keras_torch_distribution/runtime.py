@@ -351,6 +351,12 @@ def num_processes():
     return 1
 
 
+def is_multi_process():
+    """True when this process is one of several in a running process
+    group: the test for collectives, barriers and per-rank files."""
+    return num_processes() > 1
+
+
 def process_id():
     """This process's rank in the running process group (0 when none has
     started), as `jax.process_index()`."""

@@ -27,7 +27,7 @@ from keras_torch_distribution import runtime
 
 
 def _collective_write(original, model, filepath, *args, **kwargs):
-    if runtime.num_processes() == 1:
+    if not runtime.is_multi_process():
         return original(model, filepath, *args, **kwargs)
     if runtime.process_id() == 0:
         try:
@@ -66,7 +66,7 @@ def store_init(original, store, *args, **kwargs):
         arguments.get("mode") == "w"
         and arguments.get("archive") is None
         and isinstance(path, (str, os.PathLike))
-        and runtime.num_processes() > 1
+        and runtime.is_multi_process()
     )
     scratch = None
     if collective and runtime.process_id() != 0:

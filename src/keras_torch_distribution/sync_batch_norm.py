@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from keras_torch_distribution import _keras
 from keras_torch_distribution import data
 from keras_torch_distribution import replicas
+from keras_torch_distribution import tensors
 
 
 def moments(original, layer, inputs, mask):
@@ -85,17 +86,14 @@ def _count(x, axes):
     count = 1
     for axis in axes:
         count *= int(x.shape[axis])
-    return torch.tensor([float(count)], dtype=x.dtype, device=_local(x).device)
-
-
-def _local(value):
-    return value.to_local() if isinstance(value, DTensor) else value
+    device = tensors.local_part(x).device
+    return torch.tensor([float(count)], dtype=x.dtype, device=device)
 
 
 def _sum_over_replicas(values, group, scale):
     """`values` summed over the batch group in one all-reduce; DTensors keep
     their placements (their local parts are summed)."""
-    locals_ = [_local(v) for v in values]
+    locals_ = [tensors.local_part(v) for v in values]
     flat = torch.cat([v.reshape(-1) for v in locals_])
     flat = _SumOverReplicas.apply(flat, group, scale)
     out, offset = [], 0

@@ -73,6 +73,12 @@ def to_layout(value, torch_layout, what="the tensor"):
     )
 
 
+def local_part(value):
+    """This rank's part of `value`: a DTensor's local block, anything else
+    as it is. Not a collective."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def full_value(value):
     """The whole value of a tensor; DTensors are gathered (differentiable).
 

@@ -3,9 +3,10 @@
 Replaces, through the seam, `Optimizer.apply` (gradients are aligned to
 their variables and averaged over data-parallel replicas),
 `Model.get_metrics_result` (metric states are summed over replicas before
-results are computed), the predict function (predictions of every replica
-are gathered in order) and fit / evaluate / predict (logs and files from
-rank 0). The model boundary is `boundary.py`, jit_compile `compiled.py`.
+results are computed) and fit / evaluate / predict (logs and files from
+rank 0); gathers the predictions of every replica, in order, for the
+predict step (`replica_start.make_step_function`). The model boundary is
+`boundary.py`, jit_compile `compiled.py`.
 """
 
 import weakref
@@ -18,12 +19,13 @@ from torch.distributed.tensor import DTensor
 from keras_torch_distribution import _keras
 from keras_torch_distribution import agreement
 from keras_torch_distribution import boundary
-from keras_torch_distribution import compiled
+from keras_torch_distribution import collectives
 from keras_torch_distribution import gradients
 from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution import saving
+from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
 from keras_torch_distribution import variables as ktd_variables
 
@@ -95,7 +97,7 @@ def _synchronize(optimizer, grads, variables_, group):
     # reduce-scattered and averaged by their gather's backward.
     replicated = [variables.gather_plan(v) is None for v in variables_]
     local = [
-        gradients.local_part(g)
+        tensors.local_part(g)
         for g, keep in zip(grads, replicated)
         if g is not None and keep
     ]
@@ -111,9 +113,9 @@ def _synchronize(optimizer, grads, variables_, group):
             return
         kept = [v for v, keep in zip(variables_, replicated) if keep]
         accumulators = _keras.gradient_accumulators(optimizer, kept)
-        local += [gradients.local_part(_keras.raw_value(a)) for a in accumulators]
+        local += [tensors.local_part(_keras.raw_value(a)) for a in accumulators]
         scale = 1.0
-    gradients.all_reduce_mean(local, group.group, group.count, scale)
+    collectives.all_reduce(local, group.group, scale / group.count)
 
 
 def _overlapped_reducer(optimizer, variables, group):
@@ -163,24 +165,14 @@ def metrics_result(original, model):
 
 
 def _reduce_states(states, group):
+    """Each state in float64, weighted by its aggregation, summed over the
+    replicas in one flat all-reduce; back in its own dtype."""
     values = [boundary.plain(v.value).detach() for v in states]
-    if not values:
-        return []
-    flat = torch.cat([v.reshape(-1).to(torch.float64) for v in values])
-    weights = torch.cat(
-        [
-            torch.full((v.numel(),), _state_weight(s, group), dtype=torch.float64)
-            for v, s in zip(values, states)
-        ]
-    ).to(flat.device)
-    flat.mul_(weights)
-    dist.all_reduce(flat, group=group.group)
-    reduced, offset = [], 0
-    for v in values:
-        n = v.numel()
-        reduced.append(flat[offset : offset + n].view(v.shape).to(v.dtype))
-        offset += n
-    return reduced
+    weighted = [
+        v.to(torch.float64) * _state_weight(s, group) for v, s in zip(values, states)
+    ]
+    collectives.all_reduce(weighted, group.group, bucket_bytes=None)
+    return [w.to(v.dtype) for w, v in zip(weighted, values)]
 
 
 def _state_weight(variable, group):
@@ -192,31 +184,14 @@ def _state_weight(variable, group):
     return 1.0  # "sum" (Keras metrics' default) and "none"
 
 
-def make_predict_function(original, model, force=False):
-    """The predict function returns the predictions of every replica, in
-    input order (and, as `make_train_function`, compiles the model's
-    outermost call under jit_compile=True). Collective per batch: call on
-    every rank."""
-    result = compiled.make_predict_function(original, model, force)
-    function = model.predict_function
-    if getattr(function, "_ktd_gathers", False):
-        return result
-
-    def predict_on_every_replica(data_batch):
-        outputs = function(data_batch)
-        group = replicas.current()
-        if not group.is_distributed:
-            return outputs
-        return keras.tree.map_structure(
-            lambda t: _gather_rows(t, group), outputs
-        )
-
-    predict_on_every_replica._ktd_gathers = True
-    predict_on_every_replica._ktd_compiled_forward = getattr(
-        function, "_ktd_compiled_forward", False
-    )
-    model.predict_function = predict_on_every_replica
-    return result
+def gather_predictions(outputs):
+    """The outputs of one predict step with the rows of every replica, in
+    input order (as one process predicting on the global batch returns
+    them). Collective: call on every rank."""
+    group = replicas.current()
+    if not group.is_distributed:
+        return outputs
+    return keras.tree.map_structure(lambda t: _gather_rows(t, group), outputs)
 
 
 def _gather_rows(tensor, group):

@@ -240,5 +240,5 @@ def describe(original, variable):
 def local_bytes(variable):
     """Bytes this rank holds for a variable."""
     value = _keras.raw_value(variable)
-    local = value.to_local() if isinstance(value, DTensor) else value
+    local = tensors.local_part(value)
     return local.numel() * local.element_size()

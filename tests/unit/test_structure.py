@@ -23,6 +23,7 @@ LAYERS = [
     "runtime",
     "layouts",
     "tensors",
+    "collectives",  # the one bucketed flat collective
     "replicas",
     "distribution_lib",
     "sharding_rules",

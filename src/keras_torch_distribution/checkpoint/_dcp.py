@@ -537,7 +537,7 @@ def complete_at_exit():
     with _unfinished_lock:
         pending = list(_unfinished)
     for handle in pending:
-        if handle._group is not None and not dist.is_initialized():
+        if handle._group is not None and not runtime.is_initialized():
             logger.error(
                 "checkpoint.async_save to %s was never completed with "
                 ".result(), and torch.distributed is already shut down, so it "

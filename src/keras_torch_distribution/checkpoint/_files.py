@@ -261,7 +261,7 @@ def problems(directory, marker):
 
 
 def barrier(group=None):
-    if runtime.num_processes() > 1:
+    if runtime.is_multi_process():
         dist.barrier(group=group)
 
 
@@ -275,7 +275,7 @@ def agree(step, group=None):
         result = step()
     except Exception as caught:  # re-raised below, on every rank
         error = caught
-    if runtime.num_processes() > 1:
+    if runtime.is_multi_process():
         errors = [None] * dist.get_world_size(group)
         dist.all_gather_object(errors, _portable(error), group=group)
         first = next((e for e in errors if e is not None), None)
@@ -322,7 +322,7 @@ def finish(path, marker, written, group=None):
     directory, and moves it into place; every rank returns once it is there.
     Collective: call on every rank."""
     everyone = [written]
-    if runtime.num_processes() > 1:
+    if runtime.is_multi_process():
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, written, group=group)
     if runtime.process_id() == 0:

@@ -184,13 +184,9 @@ BACKUP_NAME = "latest.ckpt"
 PREVIOUS_BACKUP_NAME = "previous.ckpt"
 
 
-def _multi_process():
-    return runtime.num_processes() > 1
-
-
 def backup_save(original, callback):
     """BackupAndRestore._save_model. Collective: call on every rank."""
-    if not _multi_process():
+    if not runtime.is_multi_process():
         return original(callback)
     latest_path = os.path.join(callback.backup_dir, BACKUP_NAME)
     if runtime.process_id() == 0:
@@ -237,7 +233,7 @@ def backup_load(original, callback):
 
 def backup_train_end(original, callback, logs=None):
     """BackupAndRestore.on_train_end. Collective: call on every rank."""
-    if not _multi_process():
+    if not runtime.is_multi_process():
         return original(callback, logs)
     if callback.delete_checkpoint:
         _files.barrier()
