@@ -6,7 +6,9 @@ that every target exists before changing anything, keeps the originals, and
 `uninstall()` puts everything back and clears every cache.
 """
 
+import atexit
 import functools
+import gc
 
 import keras
 
@@ -14,6 +16,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import boundary
 from keras_torch_distribution import checkpoint
 from keras_torch_distribution import compiled
+from keras_torch_distribution import copies
 from keras_torch_distribution import data
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import fsdp
@@ -22,6 +25,7 @@ from keras_torch_distribution import optimizer_update
 from keras_torch_distribution import random_slices
 from keras_torch_distribution import replica_start
 from keras_torch_distribution import replicas
+from keras_torch_distribution import runtime
 from keras_torch_distribution import saving
 from keras_torch_distribution import sharding_rules
 from keras_torch_distribution import sync_batch_norm
@@ -174,6 +178,42 @@ def install():
         _installed.append(patch)
     variables.enable_implicit_replication()
     sharding_rules.register()
+    if not _exit_registered:
+        # Registered at import, before the application's own hooks: those
+        # run first (atexit runs newest first) and may still use the group.
+        atexit.register(exit_sequence)
+        _exit_registered.append(True)
+
+
+_exit_registered = []
+
+
+def exit_sequence():
+    """The package's one exit hook, in this order, while the interpreter is
+    still whole:
+
+    1. async saves never completed with `result()` are completed (they need
+       the process group);
+    2. the process group this package started is destroyed, with every
+       group torch made on it (a group the application started is left to
+       it);
+    3. every reference the package holds to process groups, meshes and
+       gradient hooks is dropped, and garbage is collected, so that torch's
+       native objects (gloo contexts and their threads, stores) are
+       destroyed now. Left for interpreter finalization, a native thread
+       that needs the interpreter then aborts the process after the script
+       succeeded ("terminate called without an active exception").
+
+    Collective: every rank exits through it.
+    """
+    checkpoint.complete_at_exit()
+    runtime.shutdown()
+    if not runtime.is_initialized():  # the meshes' groups are dead now
+        layouts.torch_meshes.release_process_groups()
+    checkpoint.forget_process_groups()
+    for state in _state_objects():
+        state.clear()
+    gc.collect()
 
 
 def uninstall():
@@ -203,6 +243,7 @@ def _state_objects():
         compiled.compiled_forwards,
         boundary.active_forward,
         fsdp.state,
+        copies.pending,
         replica_start.equalized,
         replicas.batch_weight,
         replicas.cache,

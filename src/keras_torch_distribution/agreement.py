@@ -15,10 +15,18 @@ first difference and the ranks on each side.
 import hashlib
 
 import keras
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
+from keras_torch_distribution.log import warn_once
+
+# Rows of an input sampled (evenly spaced) for its digest: enough to tell
+# one process's part of a dataset from another's, cheap for any size.
+_SAMPLED_ROWS = 64
 
 
 class RanksDisagreeError(RuntimeError):
@@ -70,16 +78,66 @@ def _mesh_text(distribution):
     return f"{tuple(mesh.shape)} {list(mesh.axis_names)}"
 
 
+def input_digest(x):
+    """A digest of the rows of an array input (numpy arrays, tensors, and
+    dicts / lists / tuples of them), from evenly spaced sampled rows and the
+    shapes; None for other inputs (generators, datasets)."""
+    leaves = [t for t in keras.tree.flatten(x) if t is not None] if x is not None else []
+    if not leaves or not all(hasattr(t, "shape") and len(t.shape) for t in leaves):
+        return None
+    if not all(isinstance(t, np.ndarray) or torch.is_tensor(t) for t in leaves):
+        return None
+    digest = hashlib.sha256()
+    for leaf in leaves:
+        rows = int(leaf.shape[0])
+        picked = np.unique(np.linspace(0, rows - 1, min(rows, _SAMPLED_ROWS)).astype(int))
+        if torch.is_tensor(leaf):
+            picked = torch.as_tensor(picked)
+        sample = np.ascontiguousarray(_keras.convert_to_numpy(leaf[picked]))
+        digest.update(repr((tuple(leaf.shape), sample.dtype.str)).encode())
+        digest.update(sample.tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _warn_if_replicas_repeat(method, gathered):
+    """Per-process inputs (auto_shard_dataset=False) are each replica's part
+    of the global batch: when every replica passes the same rows, warn."""
+    group = replicas.current()
+    if not group.is_distributed or _keras.current_distribution().auto_shard_dataset:
+        return
+    by_replica = {index: data for _, data, index in gathered}
+    digests = set(by_replica.values())
+    if len(by_replica) > 1 and None not in digests and len(digests) == 1:
+        warn_once(
+            ("replicas-repeat-input", method, digests.pop()),
+            "%s(): every one of the %d data-parallel replicas passed the same "
+            "rows (auto_shard_dataset=False makes each process's input its "
+            "replica's part of the global batch), so every row is used %d "
+            "times per step and the numbers differ from one process on that "
+            "data. Pass each process its part (e.g. x[replica::%d], one "
+            "replica per coordinate of the mesh's batch axis), or leave "
+            "auto_shard_dataset=True and pass the whole data on every process.",
+            method, group.count, group.count, group.count,
+        )
+
+
 def check(method, model, args, kwargs):
     """Raise RanksDisagreeError on every rank when the ranks' descriptions of
-    this call differ. Collective: call on every rank."""
-    if _keras.current_distribution() is None or not runtime.is_multi_process():
+    this call differ. Under per-process inputs, warn when every replica
+    passes the same rows. One small all-gather. Collective: call on every
+    rank."""
+    distribution = _keras.current_distribution()
+    if distribution is None or not runtime.is_multi_process():
         return
     items = describe(method, model, args, kwargs)
     digest = hashlib.sha256(repr(items).encode()).hexdigest()[:16]
-    digests = [None] * runtime.num_processes()
-    dist.all_gather_object(digests, digest)
+    x = args[0] if args else kwargs.get("x")
+    data = None if distribution.auto_shard_dataset else input_digest(x)
+    gathered = [None] * runtime.num_processes()
+    dist.all_gather_object(gathered, (digest, data, replicas.current().index))
+    digests = [entry[0] for entry in gathered]
     if len(set(digests)) == 1:
+        _warn_if_replicas_repeat(method, gathered)
         return
     everyone = [None] * runtime.num_processes()
     dist.all_gather_object(everyone, dict(items))

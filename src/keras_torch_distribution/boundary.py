@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import copies
 from keras_torch_distribution import fsdp
 from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
@@ -44,16 +45,25 @@ def plain(value):
 
 
 def layer_call(original, layer, *args, **kwargs):
-    """Keras `Layer.__call__`, as the module docstring says."""
-    outermost = _keras.in_outer_call()
-    if outermost:
-        args, kwargs = _plain_inputs(args, kwargs)
-        if active_forward.model is layer and not torch.compiler.is_compiling():
-            return active_forward.forward(original, layer, *args, **kwargs)
-        if fsdp.plans_exist():
-            with fsdp.regathering_in_backward():
-                return convert_outputs(original, layer, outermost, *args, **kwargs)
-    return convert_outputs(original, layer, outermost, *args, **kwargs)
+    """Keras `Layer.__call__`, as the module docstring says. When an
+    outermost call returns, the copies of the variables it created (a
+    model's build) are made equal across processes (`copies`)."""
+    if not _keras.in_outer_call():
+        return convert_outputs(original, layer, False, *args, **kwargs)
+    outputs = _outermost_call(original, layer, *args, **kwargs)
+    if not torch.compiler.is_compiling():
+        copies.make_pending_equal()
+    return outputs
+
+
+def _outermost_call(original, layer, *args, **kwargs):
+    args, kwargs = _plain_inputs(args, kwargs)
+    if active_forward.model is layer and not torch.compiler.is_compiling():
+        return active_forward.forward(original, layer, *args, **kwargs)
+    if fsdp.plans_exist():
+        with fsdp.regathering_in_backward():
+            return convert_outputs(original, layer, True, *args, **kwargs)
+    return convert_outputs(original, layer, True, *args, **kwargs)
 
 
 def _plain_inputs(args, kwargs):

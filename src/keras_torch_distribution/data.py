@@ -24,6 +24,7 @@ import torch.distributed
 from keras_torch_distribution import _keras
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
+from keras_torch_distribution import stopping
 from keras_torch_distribution.log import warn_once
 
 
@@ -67,14 +68,16 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
         return _as_given(adapter)
     if not distribution.auto_shard_dataset or _keras.is_generator(x):
         return _wrap(
-            adapter, lambda batches: (_process_rows(b, group) for b in batches),
+            adapter,
+            lambda batches: (_process_rows(b, group) for b in _together(batches, adapter)),
             num_batches=adapter.num_batches,
         )
     if shuffle or _keras.is_torch_dataloader(x):
         _same_torch_generator_everywhere()
     if _keras.is_torch_dataloader(x):
         return _wrap(
-            adapter, lambda batches: _round_robin(iter(batches), adapter, group),
+            adapter,
+            lambda batches: _together(_round_robin(iter(batches), adapter, group), adapter),
             num_batches=_round_robin_count(adapter, group),
         )
     if batch_size is not None and batch_size % group.count:
@@ -129,6 +132,14 @@ def _process_rows(batch, group):
 def _rows(batch):
     leaves = [t for t in keras.tree.flatten(batch) if t is not None]
     return int(leaves[0].shape[0])
+
+
+def _together(batches, adapter):
+    """Batches whose number nobody knows end at the same step on every rank
+    (`stopping.ends_together`); `iter()` is called at once."""
+    if adapter.num_batches is None:
+        return stopping.ends_together(iter(batches))
+    return batches
 
 
 def _round_robin_count(adapter, group):

@@ -42,6 +42,21 @@ class TorchMeshCache:
     def clear(self):
         self._meshes.clear()
 
+    def release_process_groups(self):
+        """Let go of the (destroyed) process groups the cached meshes hold.
+
+        A torch DeviceMesh keeps its process groups alive after
+        `destroy_process_group()` (its `_pg_registry`), and so does every
+        DTensor on it, such as a model's variables: the groups' native
+        objects (gloo contexts and their worker threads) would be destroyed
+        only when those objects are, during interpreter finalization.
+        Called by the exit sequence, once the process group is destroyed.
+        """
+        for _, mesh in self._meshes.values():
+            registry = getattr(mesh, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+
 
 torch_meshes = TorchMeshCache()
 

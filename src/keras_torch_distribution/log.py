@@ -25,7 +25,11 @@ def _rank():
 class _RankFilter(logging.Filter):
     def filter(self, record):
         record.rank = _rank()
-        return record.rank == 0 or _env.log_all_ranks()
+        return (
+            record.rank == 0
+            or getattr(record, "ktd_every_rank", False)
+            or _env.log_all_ranks()
+        )
 
 
 class _UntilConfigured(logging.StreamHandler):
@@ -58,6 +62,12 @@ if not logger.filters:
     )
     logger.addHandler(_handler)
     logger.setLevel(_env.log_level())
+
+
+def warn_on_every_rank(message, *args):
+    """A warning every rank logs (each rank's view of an event that
+    concerns all of them, such as which rank stopped training)."""
+    logger.warning(message, *args, extra={"ktd_every_rank": True})
 
 
 def warn_once(key, message, *args):

@@ -10,7 +10,6 @@ JAX scripts never do) gets the process group started on first use when a
 launcher's environment says this process is one of several.
 """
 
-import atexit
 import datetime
 import os
 import threading
@@ -184,10 +183,34 @@ def _check_matches_running(num_processes, process_id):
         )
 
 
-def _shutdown():
-    """Leave the process group cleanly at exit (gloo aborts otherwise)."""
-    if is_initialized():
+class StartedGroup:
+    """Whether the running process group was started by this package (it
+    destroys only what it started; a group the application started is the
+    application's to destroy)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.group = None  # the world group this package started
+
+    def is_running(self):
+        return is_initialized() and dist.group.WORLD is self.group
+
+
+started = StartedGroup()
+
+
+def shutdown():
+    """Destroy the process group this package started, with every group
+    torch made on it (the meshes' and the checkpoint writer's). A group the
+    application started is left alone. True when it destroyed one.
+    Collective: call on every rank."""
+    destroyed = started.is_running()
+    if destroyed:
         dist.destroy_process_group()
+    started.clear()
+    return destroyed
 
 
 def _init_process_group(init_method=None, store=None, world_size=-1, rank=-1,
@@ -208,7 +231,7 @@ def _init_process_group(init_method=None, store=None, world_size=-1, rank=-1,
             backend=_backend(), store=store, world_size=world_size, rank=rank,
             timeout=timeout,
         )
-        atexit.register(_shutdown)
+        started.group = dist.group.WORLD
     except (RuntimeError, ValueError, TimeoutError) as error:
         raise RuntimeError(_start_failure_message(error, where)) from error
 

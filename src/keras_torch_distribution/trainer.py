@@ -25,6 +25,7 @@ from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
 from keras_torch_distribution import saving
+from keras_torch_distribution import stopping
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
 from keras_torch_distribution import variables as ktd_variables
@@ -208,6 +209,21 @@ def _gather_rows(tensor, group):
     return torch.cat([p[:n] for p, n in zip(pieces, sizes)], dim=0)
 
 
+def _with_last(callbacks, callback, model):
+    """`callbacks` (None, a list, or Keras' CallbackList) with `callback`
+    added last; the user's list is not changed. A CallbackList is made
+    anew, so that Keras decides again whether it may run batch callbacks
+    in a background thread (not with this one, which runs a collective)."""
+    if callbacks is None:
+        return [callback]
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return keras.callbacks.CallbackList(
+            list(callbacks.callbacks) + [callback], model=model,
+            **(callbacks.params or {}),
+        )
+    return list(callbacks) + [callback]
+
+
 def quiet_on_other_ranks(original, model, *args, **kwargs):
     """fit / evaluate / predict print progress, and file-writing callbacks
     write, on rank 0 only. Variables created before the distribution was
@@ -221,6 +237,8 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
         kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))
+    if original.__name__ == "fit" and _keras.current_distribution() is not None and runtime.is_multi_process():
+        kwargs["callbacks"] = _with_last(kwargs.get("callbacks"), stopping.StopTogether(), model)
     try:
         return original(model, *args, **kwargs)
     finally:

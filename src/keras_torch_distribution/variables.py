@@ -11,11 +11,13 @@ their gradients back into plain tensors.
 Only float and complex variables that are trainable require grad.
 """
 
+import keras
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import copies
 from keras_torch_distribution import fsdp
 from keras_torch_distribution import layouts
 from keras_torch_distribution import sharded_init
@@ -31,9 +33,12 @@ class VariablesState:
         self.sharded_exist = False
         # The entered `implicit_replication` context while installed.
         self.implicit_replication = None
+        # True while a constant initializer fills a plain variable.
+        self.initializing_constant = False
 
     def clear(self):
         self.sharded_exist = False
+        self.initializing_constant = False
         disable_implicit_replication()
 
 
@@ -164,7 +169,8 @@ def _set_value(variable, tensor):
 
 
 def initialize(original, variable, value):
-    """Keras `Variable._initialize(value)`: shard a full initial value."""
+    """Keras `Variable._initialize(value)`: shard a full initial value. Its
+    copies on other processes are made equal to the first (`copies`)."""
     if isinstance(value, torch.nn.Parameter):
         _keras.set_raw_value(variable, value)
         return
@@ -174,21 +180,35 @@ def initialize(original, variable, value):
     if torch_layout is None:
         tensor = tensors.full_value(tensors.as_torch(value, dtype))
         _set_value(variable, tensor.detach())
-        return
-    _set_value(variable, tensors.to_layout(tensors.as_torch(value, dtype), torch_layout))
+    else:
+        _set_value(variable, tensors.to_layout(tensors.as_torch(value, dtype), torch_layout))
+    copies.created(variable, constant=state.initializing_constant)
 
 
 def initialize_with_initializer(original, variable, initializer):
-    """Keras `Variable._initialize_with_initializer`: born sharded."""
+    """Keras `Variable._initialize_with_initializer`: born sharded. Copies
+    of a randomly initialized variable are made equal to the first
+    (`copies`); constant ones (zeros, ones) are equal anyway."""
+    constant = isinstance(initializer, _CONSTANT_INITIALIZERS)
     torch_layout = sharded_layout(variable)
     if torch_layout is None:
-        return original(variable, initializer)
+        state.initializing_constant = constant
+        try:
+            return original(variable, initializer)
+        finally:
+            state.initializing_constant = False
     shape = _keras.stored_shape(variable)
     box = layouts.local_box(shape, torch_layout.mesh, torch_layout.placements)
     block = sharded_init.init_block(
         initializer, shape, _keras.stored_dtype(variable), box, variable.path
     )
     _set_value(variable, tensors.from_local_block(block, torch_layout, shape))
+    copies.created(variable, constant=constant)
+
+
+_CONSTANT_INITIALIZERS = (
+    keras.initializers.Zeros, keras.initializers.Ones, keras.initializers.Constant,
+)
 
 
 def direct_assign(original, variable, value):

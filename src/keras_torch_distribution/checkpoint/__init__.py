@@ -40,6 +40,8 @@ checksums), `_dcp` (save, async_save, load, the restricted metadata reader),
 
 from keras_torch_distribution.checkpoint._dcp import PendingCheckpoint
 from keras_torch_distribution.checkpoint._dcp import async_save
+from keras_torch_distribution.checkpoint._dcp import complete_at_exit
+from keras_torch_distribution.checkpoint._dcp import forget_process_groups
 from keras_torch_distribution.checkpoint._dcp import load
 from keras_torch_distribution.checkpoint._dcp import read_extra
 from keras_torch_distribution.checkpoint._dcp import save

@@ -21,7 +21,6 @@
 `result()` is completed (with a warning) when the interpreter exits.
 """
 
-import atexit
 import contextlib
 import json
 import os
@@ -435,10 +434,21 @@ def save(model, path, optimizer=True, extra=None):
     """
     path, variables, marker = _begin_save(model, path, optimizer, extra)
     writer = _Writer(path + _files.INCOMPLETE_SUFFIX)
-    with _OneProcessIsIntended(), _translated("save", path):
+    with _discarded_on_failure(path), _OneProcessIsIntended(), _translated("save", path):
         dcp.save(_keys.state_dict(variables), storage_writer=writer, no_dist=_no_dist())
     _files.finish(path, marker, writer.fs.written)
     return path
+
+
+@contextlib.contextmanager
+def _discarded_on_failure(path, group=None):
+    """A save that fails (on every rank: DCP gathers failures) leaves no
+    `path`.incomplete behind. Collective: call on every rank."""
+    try:
+        yield
+    except CheckpointError:
+        _files.discard_incomplete(path, group)
+        raise
 
 
 _async_group = {}  # world group -> its gloo group for background saves
@@ -488,7 +498,7 @@ class PendingCheckpoint:
                 with _unfinished_lock:
                     if self in _unfinished:
                         _unfinished.remove(self)
-                with _translated("save", self.path):
+                with _discarded_on_failure(self.path, self._group), _translated("save", self.path):
                     self._future.result()
                 _files.finish(self.path, self._marker, self._writer.fs.written, self._group)
                 self._done = True
@@ -532,8 +542,9 @@ def _complete_pending_for(path):
 
 def complete_at_exit():
     """Complete every async save whose `result()` was never called, loudly.
-    Registered with atexit. Collective (every rank has the same pending
-    saves, and exits through here)."""
+    The first step of the package's exit sequence (`_install.exit_sequence`),
+    before the process group goes. Collective (every rank has the same
+    pending saves, and exits through here)."""
     with _unfinished_lock:
         pending = list(_unfinished)
     for handle in pending:
@@ -564,7 +575,11 @@ def complete_at_exit():
             )
 
 
-atexit.register(complete_at_exit)
+
+def forget_process_groups():
+    """Drop the background-save group once the process group is destroyed
+    (it is dead then), so that torch frees it while the interpreter runs."""
+    _async_group.clear()
 
 
 def load(model, path, optimizer=True):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from keras_torch_distribution import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointReadError
+from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
 from keras_torch_distribution.log import logger
@@ -99,9 +100,7 @@ def locate(path):
                 "written there when a process stopped; it is incomplete and "
                 "will never be loaded."
             )
-        what = "does not exist" if not os.path.exists(path) else (
-            f"has no {MARKER!r} and {METADATA!r}"
-        )
+        what = "does not exist" if not os.path.exists(path) else _missing_files(path)
         raise NotACheckpointError(
             f"{path!r} is not a complete checkpoint: it {what}. Expected a "
             "directory written by keras_torch_distribution.checkpoint.save "
@@ -114,6 +113,17 @@ def locate(path):
             path, directory,
         )
     return directory, _read_marker_file(directory)
+
+
+def _missing_files(directory):
+    """What `directory` lacks to be a checkpoint, e.g. "has no '.metadata'"."""
+    if not os.path.isdir(directory):
+        return "is a file, not a checkpoint directory"
+    missing = [
+        name for name in (MARKER, METADATA)
+        if not os.path.isfile(os.path.join(directory, name))
+    ]
+    return "has no " + " and no ".join(repr(name) for name in missing)
 
 
 def read_marker(path):
@@ -310,9 +320,39 @@ def prepare_directory(path, group=None):
             "checkpoint, and saving would replace it. Choose another path or "
             "remove it."
         )
-    if runtime.process_id() == 0:
-        settle(path)
-        os.makedirs(path + INCOMPLETE_SUFFIX)
+
+    def make_temporary():
+        if runtime.process_id() != 0:
+            return
+        try:
+            settle(path)
+            os.makedirs(path + INCOMPLETE_SUFFIX)
+        except OSError as error:
+            raise CheckpointWriteError(
+                f"Cannot save a checkpoint to {path!r}: {type(error).__name__}: "
+                f"{error.strerror or error} ({error.filename or path!r}). Choose "
+                "a folder this job can write to, or make it writable (e.g. "
+                "`chmod u+w` on the folder).",
+                path, 0,
+            ) from error
+
+    agree(make_temporary, group)
+
+
+def discard_incomplete(path, group=None):
+    """Remove what a failed save wrote (`path`.incomplete) so that it does
+    not hold the disk until the next save. Collective: call on every rank
+    (every rank has seen the failure)."""
+    temporary = normalize(path) + INCOMPLETE_SUFFIX
+    if runtime.process_id() == 0 and os.path.exists(temporary):
+        try:
+            remove_checkpoint(temporary)
+        except OSError as error:
+            logger.error(
+                "could not remove %s after the failed save: %s; remove it by "
+                "hand (it is incomplete and will never be loaded).",
+                temporary, error,
+            )
     barrier(group)
 
 
