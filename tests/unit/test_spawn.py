@@ -166,3 +166,24 @@ def test_the_started_processes_run_the_script_again():
         main = types.SimpleNamespace(__spec__=types.SimpleNamespace(name=name))
         assert spawn.child_command(["/x/pkg/train.py", "a"], main)[-5:] == [
             *runner, "-m", module, "a"]
+
+
+def test_ktd_env_shows_what_initialize_would_do(machine, monkeypatch, capsys):
+    from keras_torch_distribution import cli
+
+    step = {"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "n[7-8]",
+            "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
+    for key, value in step.items():
+        monkeypatch.setenv(key, value)
+    port = environments.detect(step).port
+    assert cli.print_launch() == 0
+    shown = [line.split(None, 1) for line in capsys.readouterr().out.splitlines()[2:]]
+    assert shown[:8] == [
+        ["environment", "slurm"], ["start", "join"], ["world", "4"], ["rank", "3"],
+        ["local_rank", "1"], ["address", "n7"], ["port", str(port)],
+        ["init_method", f"tcp://n7:{port}"]]
+    machine.start_processes.assert_not_called()
+    machine.init_process_group.assert_not_called()
+    monkeypatch.delenv("SLURM_PROCID")
+    assert cli.print_launch() == 1
+    assert "  error: This process looks started by SLURM (an srun step)" in capsys.readouterr().out
