@@ -96,8 +96,9 @@ def start_processes(launch, timeout_seconds):
 
     command = child_command()
     if launch.nnodes == 1:
-        # torchrun --standalone: a private rendezvous on a free port.
-        backend, endpoint = "c10d", f"{launch.address or 'localhost'}:{launch.port or 0}"
+        # torchrun --standalone: a private rendezvous on a free port (an
+        # address or port derived for other nodes is of no use here).
+        backend, endpoint = "c10d", "localhost:0"
         rendezvous, run_id = {}, str(uuid.uuid4())
     else:
         # torchrun --nnodes N --node-rank R --master-addr A --master-port P:
