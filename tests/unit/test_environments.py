@@ -176,6 +176,9 @@ def test_one_srun_task_per_node_starts_one_process_per_device():
     assert _spawned(launch) == ("slurm", SPAWN, 2, 1, 4, 8, "node001", T3_PORT)
     # Where processes cannot be started: one per node, as srun started them.
     assert _where(launch.fallback) == ("slurm", JOIN, "node001", T3_PORT, 2, 1, 0)
+    with pytest.raises(ValueError, match=r"^initialize\(process_id=1\) but this process "
+                                         r"starts the 4 processes of node 1 for slurm"):
+        detect(env, local_devices=4, process_id=1)
     # Without devices (or with one), the task is the process.
     assert detect(env, local_devices=1).start == JOIN
     # KTD_SPAWN=N asks for N processes per node, on CPU too.

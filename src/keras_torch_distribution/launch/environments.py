@@ -197,6 +197,13 @@ def _fill(found, job_addresses, num_processes, process_id):
             f"this process rank {found.rank} ({_shown(found.variables)}). Pass "
             "no process_id."
         )
+    if process_id is not None and found.start == SPAWN:
+        raise ValueError(
+            f"initialize(process_id={process_id}) but this process starts the "
+            f"{found.nproc} processes of node {found.node_rank} for {found.environment} "
+            f"({_shown(found.variables)}), which have ranks of their own. Pass no "
+            "process_id."
+        )
     if job_addresses is not None and found.start == JOIN:
         found = dataclasses.replace(found, address=None, port=None,
                                     init_method=coordinator_url(job_addresses))
