@@ -5,6 +5,9 @@ incomplete or inconsistent variables. Pure functions: nothing starts.
 Launches with these variables are in e2e/test_clusters.py.
 """
 
+import socket
+import sys
+import types
 import zlib
 
 import pytest
@@ -14,6 +17,7 @@ from keras_torch_distribution.launch.environments import JOIN
 from keras_torch_distribution.launch.environments import SINGLE
 from keras_torch_distribution.launch.environments import SPAWN
 from keras_torch_distribution.launch.environments import IncompleteEnvironmentError
+from keras_torch_distribution.launch.environments import Outside
 from keras_torch_distribution.launch.environments import detect
 
 T1 = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
@@ -113,7 +117,7 @@ def test_generic_and_torchelastic_hand_torch_env_and_others_a_tcp_url():
 
 def test_lsf_reads_the_first_compute_host_of_its_rank_file(tmp_path):
     rank_file = tmp_path / "ranks"
-    rank_file.write_text("launch\nh1\nh1\nh2\nh2\n")
+    rank_file.write_text("launch\nh1\nh1\nh2\nh2\n")  # read by Outside().read_text
     env = {"LSB_JOBID": "4242", "LSB_DJOB_RANKFILE": str(rank_file), "JSM_NAMESPACE_SIZE": "4",
            "JSM_NAMESPACE_RANK": "2", "JSM_NAMESPACE_LOCAL_RANK": "0"}
     assert _where(detect(env)) == ("lsf", JOIN, "h1", 10242, 4, 2, 0)  # T11
@@ -245,7 +249,8 @@ def test_a_machine_without_launcher():
       "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
      r"^Open MPI started this process as rank 1 of 2 \(OMPI_COMM_WORLD_SIZE=2, "
      r"OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_LOCAL_RANK=1\), but nothing says where "
-     r"process 0 is: MASTER_ADDR is missing. Set MASTER_ADDR .*`mpirun -x "
+     r"process 0 is: MASTER_ADDR is missing \(and mpi4py, which could ask rank 0, is not "
+     r"installed\). Set MASTER_ADDR .*`mpirun -x "
      r"MASTER_ADDR=\$\(hostname\) -x MASTER_PORT=29500 ...`"),
     ({"OMPI_COMM_WORLD_SIZE": "2"}, r"by Open MPI \(OMPI_COMM_WORLD_SIZE=2\), but "
                                     r"OMPI_COMM_WORLD_RANK is missing"),
@@ -272,7 +277,45 @@ def test_a_machine_without_launcher():
 def test_incomplete_variables_are_an_error_naming_them(env, message):
     with pytest.raises(IncompleteEnvironmentError if "malformed" not in message else ValueError,
                        match=message):
-        detect(env)
+        detect(env, outside=_WithoutMpi4py())
+
+
+class _WithoutMpi4py(Outside):
+    def mpi_address(self):
+        return None
+
+
+class _FakeComm:
+    def __init__(self, rank, told):
+        self.rank, self.told, self.sent = rank, told, []
+
+    def Get_rank(self):
+        return self.rank
+
+    def bcast(self, value, root):
+        self.sent.append((value, root))
+        return self.told
+
+
+def test_mpi_ranks_without_an_address_ask_rank_0_through_mpi4py(monkeypatch):
+    """Open MPI 5 / MPICH tell no address: with mpi4py, rank 0 broadcasts
+    its host name and a free port (every rank calls it, in initialize())."""
+    ompi5 = {"PRTE_LAUNCHED": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+             "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    comm = _FakeComm(1, ("rank0-host", 45678))
+    package = types.ModuleType("mpi4py")
+    package.MPI = types.SimpleNamespace(COMM_WORLD=comm)
+    monkeypatch.setitem(sys.modules, "mpi4py", package)
+    assert _where(detect(ompi5)) == ("openmpi", JOIN, "rank0-host", 45678, 2, 1, 1)
+    assert comm.sent == [(None, 0)]  # rank 1 receives
+    # Rank 0 sends its own host name and a port it found free.
+    comm.rank = 0
+    detect(dict(ompi5, OMPI_COMM_WORLD_RANK="0"))
+    (host, port), root = comm.sent[1]
+    assert (host, root) == (socket.gethostname(), 0) and 0 < port < 2**16
+    # MASTER_ADDR / MASTER_PORT win: MPI is not asked.
+    launch = detect(dict(ompi5, MASTER_ADDR="m", MASTER_PORT="7"))
+    assert (launch.address, launch.port, len(comm.sent)) == ("m", 7, 2)
 
 
 @pytest.mark.parametrize("env, message", [

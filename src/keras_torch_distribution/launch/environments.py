@@ -35,6 +35,7 @@ KTD_SPAWN=N starts N per node where processes are started (CPU included).
 
 import dataclasses
 import re
+import socket
 import zlib
 
 from keras_torch_distribution.launch import hostlist
@@ -111,13 +112,14 @@ class Launch:
 
 
 def detect(env, local_devices=0, job_addresses=None, num_processes=None,
-           process_id=None, read_text=None):
+           process_id=None, outside=None):
     """The Launch for environment `env` (a mapping of variables).
 
     local_devices: the accelerators this process would use (0 on CPU).
     job_addresses / num_processes / process_id: initialize()'s arguments;
-    KERAS_DISTRIBUTION_* fill those not given. read_text(path) reads a
-    file (LSF's rank file); open() by default.
+    KERAS_DISTRIBUTION_* fill those not given. outside: what is read
+    beyond the variables (LSF's rank file; rank 0's address over MPI),
+    `Outside()` by default.
     """
     given = _given(env, job_addresses, num_processes, process_id)
     if all(value is not None for value in given.values()):
@@ -131,7 +133,7 @@ def detect(env, local_devices=0, job_addresses=None, num_processes=None,
                 f"started WORLD_SIZE={world} processes. Pass num_processes={world} "
                 "or none, or launch with that many processes."
             )
-    found = _detected(env, local_devices, read_text or _read_text)
+    found = _detected(env, local_devices, outside or Outside())
     if found is None:
         return _local(env, local_devices, **given)
     return _fill(found, **given)
@@ -301,7 +303,7 @@ def host_and_port(address):
 # ---------------------------------------------------------------------------
 
 
-def _detected(env, local_devices, read_text):
+def _detected(env, local_devices, outside):
     """The first row that matches (each returns None when its variables are
     absent), or the one KTD_CLUSTER names; None: no launcher."""
     forced = env.get(CLUSTER_VARIABLE, "").strip().lower()
@@ -315,15 +317,15 @@ def _detected(env, local_devices, read_text):
                 f"set one of {', '.join(rows)}, or none (no detection), or unset it "
                 "(detect)."
             )
-        return rows[forced](env, local_devices, read_text, forced=True)
+        return rows[forced](env, local_devices, outside, forced=True)
     for _, row in _ROWS:
-        found = row(env, local_devices, read_text, forced=False)
+        found = row(env, local_devices, outside, forced=False)
         if found is not None:
             return found
     return None
 
 
-def _torchelastic(env, local_devices, read_text, forced):
+def _torchelastic(env, local_devices, outside, forced):
     if not forced and "TORCHELASTIC_RUN_ID" not in env:
         return None
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -335,7 +337,7 @@ def _torchelastic(env, local_devices, read_text, forced):
                  _port(env, "MASTER_PORT"), names + ("LOCAL_RANK",), "env://")
 
 
-def _generic(env, local_devices, read_text, forced):
+def _generic(env, local_devices, outside, forced):
     """MASTER_ADDR, MASTER_PORT, WORLD_SIZE and a rank: RANK, or
     NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, or JOB_COMPLETION_INDEX."""
     if not forced and "WORLD_SIZE" not in env:
@@ -392,7 +394,7 @@ def _generic(env, local_devices, read_text, forced):
 _ORTE_URI = re.compile(r"^(\d+)\.\d+;tcp6?://\[?([0-9a-zA-Z:.\-]+?)\]?(?:,|:\d+)")
 
 
-def _open_mpi(env, local_devices, read_text, forced):
+def _open_mpi(env, local_devices, outside, forced):
     keys = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
     if not forced and not any(k in env for k in keys):
         return None
@@ -406,10 +408,11 @@ def _open_mpi(env, local_devices, read_text, forced):
         address = match.group(2)
         port = (int(match.group(1)) // _DERIVED_PORT_SPAN) % _DERIVED_PORT_SPAN + _DERIVED_PORT_BASE
     names = keys + ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_MCA_orte_hnp_uri")
-    return _mpi_join("openmpi", "Open MPI", env, world, rank, local, address, port, names)
+    return _mpi_join("openmpi", "Open MPI", env, outside, world, rank, local, address, port,
+                     names)
 
 
-def _pmi(env, local_devices, read_text, forced):
+def _pmi(env, local_devices, outside, forced):
     keys = ("PMI_SIZE", "PMI_RANK")
     if not forced and not any(k in env for k in keys):
         return None
@@ -421,39 +424,46 @@ def _pmi(env, local_devices, read_text, forced):
     if slurm is not None and env.get("SLURM_PROCID") == env["PMI_RANK"]:
         address, port = slurm  # srun --mpi=pmi2: SLURM's ranks are these ranks
     names = keys + ("MPI_LOCALRANKID",)
-    return _mpi_join("pmi", "MPICH / Intel MPI", env, world, rank,
+    return _mpi_join("pmi", "MPICH / Intel MPI", env, outside, world, rank,
                      _local_rank(env, "MPI_LOCALRANKID"), address, port, names)
 
 
-def _mvapich(env, local_devices, read_text, forced):
+def _mvapich(env, local_devices, outside, forced):
     keys = ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK")
     if not forced and not any(k in env for k in keys):
         return None
     _require(env, "MVAPICH2", keys, fix="Start it with mpirun_rsh / mpiexec.")
     world, rank = _whole(env, "MV2_COMM_WORLD_SIZE"), _whole(env, "MV2_COMM_WORLD_RANK", minimum=0)
     names = keys + ("MV2_COMM_WORLD_LOCAL_RANK",)
-    return _mpi_join("mvapich", "MVAPICH2", env, world, rank,
+    return _mpi_join("mvapich", "MVAPICH2", env, outside, world, rank,
                      _local_rank(env, "MV2_COMM_WORLD_LOCAL_RANK"), None, None, names)
 
 
-def _mpi_join(name, what, env, world, rank, local, address, port, names):
-    """An MPI row's Launch: MASTER_ADDR / MASTER_PORT win; an MPI that tells
-    no address needs MASTER_ADDR."""
+def _mpi_join(name, what, env, outside, world, rank, local, address, port, names):
+    """An MPI row's Launch. MASTER_ADDR / MASTER_PORT win; else the address
+    the MPI tells; else rank 0's, broadcast over MPI by mpi4py where it is
+    installed; else an error asking for MASTER_ADDR."""
+    names = names + ("MASTER_ADDR", "MASTER_PORT")
     address = env.get("MASTER_ADDR") or address
+    if world > 1 and address is None:
+        told = outside.mpi_address()
+        if told is not None:
+            address, port = told[0], port or told[1]
     if world > 1 and address is None:
         raise IncompleteEnvironmentError(
             f"{what} started this process as rank {rank} of {world} "
             f"({_shown(_present(env, names))}), but nothing says where process 0 "
-            "is: MASTER_ADDR is missing. Set MASTER_ADDR to process 0's host "
-            "(reachable from every process) and MASTER_PORT to a free port there, "
-            "for every process, e.g. `mpirun -x MASTER_ADDR=$(hostname) -x "
-            "MASTER_PORT=29500 ...`; or launch with torchrun / `ktd run` instead."
+            "is: MASTER_ADDR is missing (and mpi4py, which could ask rank 0, is not "
+            "installed). Set MASTER_ADDR to process 0's host (reachable from every "
+            "process) and MASTER_PORT to a free port there, for every process, e.g. "
+            "`mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`; or install "
+            "mpi4py; or launch with torchrun / `ktd run` instead."
         )
     port = _port(env, "MASTER_PORT") if env.get("MASTER_PORT") else (port or DEFAULT_PORT)
-    return _join(name, env, world, rank, local, address, port, names + ("MASTER_ADDR", "MASTER_PORT"))
+    return _join(name, env, world, rank, local, address, port, names)
 
 
-def _lsf(env, local_devices, read_text, forced):
+def _lsf(env, local_devices, outside, forced):
     keys = ("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK",
             "JSM_NAMESPACE_LOCAL_RANK")
     if not forced and not any(k.startswith("JSM_") and k in env for k in keys):
@@ -463,8 +473,8 @@ def _lsf(env, local_devices, read_text, forced):
     address = env.get("MASTER_ADDR")
     if not address:
         # Line 1 is the launch node; the compute hosts follow, rank 0's first.
-        hosts = [line.strip() for line in read_text(env["LSB_DJOB_RANKFILE"]).splitlines()[1:]
-                 if line.strip()]
+        lines = outside.read_text(env["LSB_DJOB_RANKFILE"]).splitlines()[1:]
+        hosts = [line.strip() for line in lines if line.strip()]
         if not hosts:
             raise IncompleteEnvironmentError(
                 f"LSF's rank file LSB_DJOB_RANKFILE={env['LSB_DJOB_RANKFILE']!r} lists "
@@ -481,7 +491,7 @@ def _lsf(env, local_devices, read_text, forced):
 _SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 
 
-def _slurm(env, local_devices, read_text, forced):
+def _slurm(env, local_devices, outside, forced):
     """An srun step. Its batch script or an salloc shell shows SLURM_NTASKS
     and SLURM_PROCID too, but no SLURM_STEP_ID: that is no step (one process
     there is right)."""
@@ -531,7 +541,7 @@ def _slurm_nodes(env, nodelist):
     return sum(1 for _ in hostlist.hosts(env[nodelist]))
 
 
-def _pet(env, local_devices, read_text, forced):
+def _pet(env, local_devices, outside, forced):
     """A node launcher's PET_* variables (torchrun reads them as its options):
     one process per node, which starts PET_NPROC_PER_NODE processes."""
     if not forced and not any(k in env for k in ("PET_NNODES", "PET_NODE_RANK")):
@@ -687,6 +697,24 @@ def _port_or_none(env, name):
     return _port(env, name) if env.get(name) else None
 
 
-def _read_text(path):
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+class Outside:
+    """What detection reads beyond the environment variables; tests replace it."""
+
+    def read_text(self, path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
+    def mpi_address(self):
+        """(rank 0's host name, a port free there), broadcast from rank 0 to
+        every rank of MPI_COMM_WORLD by mpi4py; None without mpi4py.
+        Collective over MPI: every rank reaches it together, in initialize()."""
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            return None
+        told = None
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            with socket.socket() as probe:
+                probe.bind(("", 0))
+                told = (socket.gethostname(), probe.getsockname()[1])
+        return MPI.COMM_WORLD.bcast(told, root=0)
