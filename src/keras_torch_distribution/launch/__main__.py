@@ -15,10 +15,9 @@ import runpy
 import signal
 import sys
 
+from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
+
 USAGE = "usage: python -m keras_torch_distribution.launch SCRIPT [ARGS] | -m MODULE [ARGS]"
-# Set by the process that starts the launcher's agent: the pid whose death
-# must end this process.
-PARENT_PID_VARIABLE = "KTD_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 

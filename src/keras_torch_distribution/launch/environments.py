@@ -38,7 +38,7 @@ import re
 import socket
 import zlib
 
-from keras_torch_distribution.launch import hostlist
+import keras_torch_distribution.launch.hostlist as hostlist
 
 # torchrun's default MASTER_PORT, used for an address given without a port.
 DEFAULT_PORT = 29500

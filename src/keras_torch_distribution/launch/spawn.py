@@ -27,7 +27,7 @@ import sys
 import threading
 import uuid
 
-from keras_torch_distribution.launch import environments
+import keras_torch_distribution.launch.environments as environments
 from keras_torch_distribution.launch.failures import failure_summary
 
 # The directory Python started in: the script's relative paths (its own
@@ -38,6 +38,9 @@ _STARTUP_DIRECTORY = os.getcwd()
 # starts processes itself, whatever its environment says.
 LAUNCHED_VARIABLE = "KTD_LAUNCHED"
 LAUNCHER_NAME = "keras.distribution.initialize()"
+# The pid of the process running the elastic agent (this one, or `ktd run`):
+# each started process dies with it (see launch/__main__.py).
+PARENT_PID_VARIABLE = "KTD_PARENT_PID"
 _RUNNER = "keras_torch_distribution.launch"
 
 
@@ -113,7 +116,7 @@ def start_processes(launch, timeout_seconds):
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun, for nproc > 1
     os.environ[LAUNCHED_VARIABLE] = "1"
-    os.environ["KTD_PARENT_PID"] = str(os.getpid())
+    os.environ[PARENT_PID_VARIABLE] = str(os.getpid())
     os.chdir(_STARTUP_DIRECTORY)
     try:
         elastic_launch(config, sys.executable)(*command)

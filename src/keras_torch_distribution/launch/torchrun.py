@@ -19,6 +19,7 @@ import socket
 
 from keras_torch_distribution import _env
 from keras_torch_distribution.launch.failures import failure_summary
+from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
 
 _OWN_OPTIONS = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
 # Options that tell torchrun where the other nodes are: with any of them (or
@@ -171,7 +172,8 @@ def run(argv):
     if port is not None:
         _check_port_free(port)
     # Each process dies with this one, even if it is SIGKILLed (see __main__).
-    os.environ["KTD_PARENT_PID"] = str(os.getpid())
+    parent_before = os.environ.get(PARENT_PID_VARIABLE)
+    os.environ[PARENT_PID_VARIABLE] = str(os.getpid())
     try:
         torch_run.main(arguments)
     except ChildFailedError as error:
@@ -183,3 +185,8 @@ def run(argv):
             raise
         # Taken between our check and torchrun's own bind.
         raise SystemExit(_port_in_use_message(port, "address already in use")) from None
+    finally:  # (run() is also called in tests' own process)
+        if parent_before is None:
+            del os.environ[PARENT_PID_VARIABLE]
+        else:
+            os.environ[PARENT_PID_VARIABLE] = parent_before
