@@ -20,6 +20,8 @@ LAYERS = [
     "_env",  # KTD_* settings
     "log",
     "launch.hostlist",  # the launch side: detection and process start (pure of Keras)
+    "launch.variables",
+    "launch.schedulers",
     "launch.environments",
     "launch.failures",
     "launch.spawn",

@@ -1,9 +1,12 @@
 """Starting processes: which launcher started this one, and starting more.
 
 - `hostlist`: SLURM node lists ("rack[1-2]-node[01-04]") expanded.
-- `environments`: which launcher or scheduler started this process (SLURM,
-  MPI, LSF, Kubernetes, torchrun, none) and what `initialize()` does there;
-  pure functions of the environment variables.
+- `variables`: the `Launch` record (what `initialize()` does here) and
+  readers of launcher variables whose errors name them.
+- `schedulers`: one function per launcher (torchrun, SLURM, MPI, LSF,
+  Kubeflow): its variables -> a Launch.
+- `environments`: `detect`, which tries them innermost launcher first, with
+  initialize()'s arguments winning; pure functions of the environment.
 - `failures`: the one line naming the process that failed first.
 - `spawn`: one process per local device through torch's elastic agent,
   for `initialize()` in a script started without a launcher.
