@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import zlib
 
 import numpy as np
@@ -39,6 +40,22 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def finish(process, timeout):
+    """CompletedProcess of `process`, started in a session of its own
+    (start_new_session=True); on timeout that session is killed and the
+    test fails with the output so far."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the session the test started
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"{process.args} did not finish within {timeout} s:\n{stdout[-2000:]}\n"
+            f"{stderr[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import sys
 
 USAGE = """usage:
   ktd run -n N [torchrun options] SCRIPT [ARGS]   run SCRIPT on N processes
-  ktd env                                         versions, devices, settings
+  ktd env                                         versions, devices, settings, and the
+                                                  job initialize() would join here
   ktd report CHECKPOINT                           each variable's shards in a checkpoint
 """
 
@@ -31,10 +32,29 @@ def print_env():
         "gloo available": torch.distributed.is_gloo_available(),
     }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "KERAS_BACKEND", "KTD_TIMEOUT_SECONDS", "KTD_DEVICE", "OMP_NUM_THREADS"):
+                "KERAS_BACKEND", "KTD_TIMEOUT_SECONDS", "KTD_DEVICE", "KTD_CLUSTER",
+                "KTD_SPAWN", "OMP_NUM_THREADS"):
         lines[key] = os.environ.get(key)
     for key, value in lines.items():
         print(f"{key:26} {value}")
+    return print_launch()
+
+
+def print_launch():
+    """What keras.distribution.initialize() would do in this process (which
+    launcher, address, port, world, rank, local rank), starting nothing.
+    1 when the environment is incomplete (the error is printed)."""
+    from keras_torch_distribution import runtime
+
+    print("\ninitialize() here:")
+    try:
+        launch = runtime.detect_launch()
+    except (ValueError, RuntimeError) as error:
+        print(f"  error: {error}")
+        return 1
+    for key, value in launch.describe().items():
+        print(f"  {key:24} {value}")
+    return 0
 
 
 def main(argv=None):
@@ -49,8 +69,7 @@ def main(argv=None):
         launch.run(rest)
         return 0
     if command == "env":
-        print_env()
-        return 0
+        return print_env()
     if command == "report":
         if len(rest) != 1:
             print(f"ktd report: give one checkpoint directory\n{USAGE}", file=sys.stderr)

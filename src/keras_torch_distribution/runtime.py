@@ -1,13 +1,20 @@
 """Processes and devices: torch.distributed's process group, started once.
 
-Environment variables read here:
-- torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
-- KTD_TIMEOUT_SECONDS (see `_env`): how long the rendezvous and every
-  collective may wait for a peer before failing (default 300).
+`initialize()` joins the job that started this process, whatever started
+it: `launch.environments.detect` reads the environment (torchrun, SLURM,
+MPI, LSF, Kubeflow, explicit arguments; see there), and where this process
+should start its node's processes instead (a bare script on a machine with
+several GPUs, `initialize(num_processes=N)` without a launcher, one task
+per node), `launch.spawn` starts them and this process exits with them.
+
+Environment variables read here: those `detect` reads, and
+KTD_TIMEOUT_SECONDS (see `_env`): how long the rendezvous and every
+collective may wait for a peer before failing (default 300).
 
 A script that never calls `keras.distribution.initialize()` (single-host
 JAX scripts never do) gets the process group started on first use when a
-launcher's environment says this process is one of several.
+launcher's environment says this process is one of several (never starting
+processes then).
 """
 
 import datetime
@@ -20,34 +27,22 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _env
 from keras_torch_distribution import seeds
+from keras_torch_distribution.launch import environments
+from keras_torch_distribution.launch import spawn
 from keras_torch_distribution.log import logger
 
 DEFAULT_TIMEOUT_SECONDS = _env.DEFAULT_TIMEOUT_SECONDS
 timeout_seconds = _env.timeout_seconds
 # torchrun's default MASTER_PORT, used for job_addresses given without a port.
-DEFAULT_PORT = 29500
+DEFAULT_PORT = environments.DEFAULT_PORT
 # How long past KTD_TIMEOUT_SECONDS we wait for torch's rendezvous to report
 # its own timeout before giving up on it ourselves.
 _RENDEZVOUS_GRACE_SECONDS = 2.0
-# What torchrun (and `ktd run`) set for each process of a launch.
-_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DEVICE_TYPES = ("cpu", "gpu")
 
 
 def is_initialized():
     return dist.is_available() and dist.is_initialized()
-
-
-def launched_world_size():
-    """WORLD_SIZE set by torchrun (or our launcher), else 1."""
-    text = os.environ.get("WORLD_SIZE", "1")
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ValueError(
-            f"WORLD_SIZE={text!r} is not a number of processes: a launcher "
-            "(torchrun, `ktd run -n N`) sets it to a whole number >= 1. Unset "
-            "it for a one-process run."
-        )
-    return int(text)
 
 
 def uses_cuda():
@@ -58,115 +53,106 @@ def _backend():
     return "cpu:gloo,cuda:nccl" if uses_cuda() else "gloo"
 
 
-def _init_method(job_addresses):
-    """torch init_method from Keras' job_addresses: the first entry, process
-    0's "host:port" (or "host", meaning port DEFAULT_PORT), or an init URL
-    such as "tcp://host:port" or "file:///path"."""
-    first = job_addresses.split(",")[0].strip()
-    if "://" in first:
-        return first
-    host, port = _host_and_port(first)
-    if host is None:
-        raise ValueError(
-            f"job_addresses={job_addresses!r} is not 'host:port' or 'host' "
-            f"(process 0's address first; port {DEFAULT_PORT} when left out) "
-            "nor an init URL such as 'tcp://host:port' or 'file:///path'. "
-            "Give e.g. job_addresses='10.0.0.1:1234'."
-        )
-    if port is None:
-        logger.info(
-            "job_addresses=%r names no port: using torch's default port %d",
-            job_addresses, DEFAULT_PORT,
-        )
-        port = DEFAULT_PORT
-    return f"tcp://{host}:{port}"
+def local_device_count():
+    """The accelerators this process could use: the visible CUDA devices,
+    or 0 on CPU (and with KTD_DEVICE=cpu)."""
+    return torch.cuda.device_count() if uses_cuda() else 0
 
 
-def _host_and_port(address):
-    """(host, port or None) of "host", "host:port", "[v6]" or "[v6]:port";
-    (None, None) when `address` is none of these."""
-    if address.startswith("["):  # an IPv6 address in brackets
-        inside, bracket, rest = address[1:].partition("]")
-        host = f"[{inside}]" if bracket and inside else None
-        port = rest[1:] if rest.startswith(":") else (None if not rest else "x")
-    elif address.count(":") > 1:  # an IPv6 address without brackets or port
-        host, port = f"[{address}]", None
-    else:
-        host, colon, port = address.partition(":")
-        port = port if colon else None
-    if not host or (port is not None
-                    and not (port.isdigit() and 0 < int(port) < 2**16)):
-        return None, None
-    return host, port
+def detect_launch(job_addresses=None, num_processes=None, process_id=None):
+    """What `initialize()` would do in this process, starting nothing: a
+    `launch.environments.Launch` (which launcher, address, port, world,
+    rank, local rank, or the processes it would start). `ktd env` shows it.
+    """
+    return environments.detect(
+        os.environ, local_device_count(), job_addresses, num_processes, process_id
+    )
 
 
 def initialize(job_addresses=None, num_processes=None, process_id=None):
     """Start torch.distributed. Idempotent.
 
-    With no arguments, reads torchrun's environment; in a plain `python`
-    run it starts a world of one process. Collective: call on every rank.
+    With no arguments, joins the job that started this process (torchrun,
+    SLURM srun, mpirun, LSF jsrun, Kubeflow; see `launch.environments`);
+    arguments (and KERAS_DISTRIBUTION_*) win over what is detected. In a
+    plain `python` run it starts a world of one process, or, with several
+    local GPUs or `num_processes=N` (no address), one process per device /
+    N processes running this script, and this process exits with them.
+    Collective: call on every rank.
     """
+    _start(job_addresses, num_processes, process_id)
+
+
+def _start(job_addresses=None, num_processes=None, process_id=None, first_use=None):
+    """initialize(); `first_use` names what started it when the script did
+    not call initialize() (then no process is ever started)."""
     if is_initialized():
         _check_matches_running(num_processes, process_id)
         return
     timeout = datetime.timedelta(seconds=timeout_seconds())
-    if job_addresses:
-        if num_processes is None or process_id is None:
-            raise ValueError(
-                f"initialize(job_addresses={job_addresses!r}) also needs "
-                f"num_processes and process_id (got num_processes="
-                f"{num_processes}, process_id={process_id})."
-            )
-        addresses = [a for a in job_addresses.split(",") if a.strip()]
-        if len(addresses) > 1 and len(addresses) != num_processes:
-            raise ValueError(
-                f"job_addresses lists {len(addresses)} jobs but "
-                f"num_processes={num_processes}; give one address per process "
-                "or only the coordinator's."
-            )
-        _check_rank(num_processes, process_id)
-        _init_process_group(
-            init_method=_init_method(job_addresses),
-            world_size=int(num_processes),
-            rank=int(process_id),
-            timeout=timeout,
+    launch = detect_launch(job_addresses, num_processes, process_id)
+    if launch.start == environments.SPAWN:
+        launch = _start_processes_or_fall_back(launch, first_use)
+    if first_use and launch.start == environments.JOIN:
+        logger.info(
+            "keras.distribution.initialize() was not called: %s starts the process "
+            "group now from the launcher's environment (RANK=%d, WORLD_SIZE=%d, "
+            "MASTER_ADDR=%s, MASTER_PORT=%s; %s)",
+            first_use, launch.rank, launch.world, launch.address, launch.port,
+            launch.environment,
         )
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        world = launched_world_size()
-        if num_processes is not None and int(num_processes) != world:
-            raise ValueError(
-                f"initialize(num_processes={num_processes}) but torchrun "
-                f"started WORLD_SIZE={world} processes."
-            )
+    if launch.start == environments.SINGLE:
+        _init_process_group(store=dist.HashStore(), world_size=1, rank=0, timeout=timeout)
+    elif launch.init_method == "env://":
         _init_process_group(init_method="env://", timeout=timeout)
     else:
-        if num_processes not in (None, 1):
-            raise ValueError(
-                f"initialize(num_processes={num_processes}) needs "
-                "job_addresses='host:port' of process 0, or a launch by "
-                "torchrun / `ktd run -n N`, which sets the environment."
-            )
-        _init_process_group(
-            store=dist.HashStore(), world_size=1, rank=0, timeout=timeout
-        )
+        _init_process_group(init_method=launch.init_method, world_size=launch.world,
+                            rank=launch.rank, timeout=timeout)
     if uses_cuda():
-        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     seeds.initialize_rng()
     logger.info(
-        "initialized rank %d of %d (%s)",
+        "initialized rank %d of %d (%s; %s)",
         dist.get_rank(),
         dist.get_world_size(),
         _backend(),
+        launch.environment,
     )
 
 
-def _check_rank(num_processes, process_id):
-    if int(num_processes) < 1 or not 0 <= int(process_id) < int(num_processes):
-        raise ValueError(
-            f"process_id={process_id} must be in [0, num_processes="
-            f"{num_processes})."
+def _start_processes_or_fall_back(launch, first_use):
+    """Start this node's processes (this process then exits with them), or,
+    where that is not allowed, the Launch to use instead: one process (with
+    a warning), or an error when processes were asked for."""
+    reason = spawn.why_not(first_use)
+    if reason is None:
+        logger.info(
+            "starting %d processes on this node (%s; ranks %d to %d of %d)",
+            launch.nproc, launch.environment, launch.node_rank * launch.nproc,
+            (launch.node_rank + 1) * launch.nproc - 1, launch.world,
         )
+        spawn.start_processes(launch, timeout_seconds())  # exits
+    n = launch.nproc
+    fix = (
+        f"Start the script with `ktd run -n {n} script.py` (or torchrun "
+        f"--nproc-per-node {n})"
+        + (", or call keras.distribution.initialize() at its top" if first_use else "")
+    )
+    if launch.fallback is None:
+        raise ValueError(
+            f"initialize(num_processes={launch.world}) would start {n} local "
+            f"processes, but {reason}. {fix}; or give every process "
+            "job_addresses='host:port' (process 0's) and its process_id."
+        )
+    fallback = launch.fallback
+    alone = ("alone" if fallback.world == 1 else
+             f"as rank {fallback.rank} of {fallback.world}, one process per node")
+    logger.warning(
+        "%d processes could run on this node (%s: one per device), but %s: this "
+        "process runs %s, on one device. %s to use every device.",
+        n, launch.environment, reason, alone, fix,
+    )
+    return fallback
 
 
 def _check_matches_running(num_processes, process_id):
@@ -327,43 +313,13 @@ def ensure_initialized(use="a DeviceMesh"):
     """World size, starting the process group if it is not running yet.
 
     In a plain `python` run that is a world of one process; under a
-    launcher, see `_start_on_first_use`. `use` names the caller for the log.
+    launcher, its job, as `initialize()` joins it (but no process is
+    started: see `_start`). `use` names the caller for the log.
     Collective when it starts the group: call on every rank.
     """
     if not is_initialized():
-        if launched_world_size() > 1:
-            _start_on_first_use(use)
-        else:
-            initialize()
+        _start(first_use=use)
     return dist.get_world_size()
-
-
-def _start_on_first_use(use):
-    """Start the process group from a launcher's environment, for a script
-    that never called keras.distribution.initialize() (single-host JAX
-    scripts do not). Refuses when that environment is incomplete.
-    """
-    world = launched_world_size()
-    missing = [name for name in _LAUNCHER_VARIABLES if not os.environ.get(name)]
-    if missing:
-        raise RuntimeError(
-            f"This process is one of WORLD_SIZE={world} processes, but "
-            "torch.distributed is not initialized yet and the environment "
-            f"lacks {', '.join(missing)} to start it. Call "
-            "keras.distribution.initialize() first, on every process, with "
-            f"job_addresses='host:port' (process 0's), num_processes={world} "
-            "and process_id (this process's index); or launch the script with "
-            f"`ktd run -n {world} script.py` or torchrun, which set RANK, "
-            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
-        )
-    logger.info(
-        "keras.distribution.initialize() was not called: %s starts the process "
-        "group now from the launcher's environment (RANK=%s, WORLD_SIZE=%d, "
-        "MASTER_ADDR=%s, MASTER_PORT=%s)",
-        use, os.environ["RANK"], world, os.environ["MASTER_ADDR"],
-        os.environ["MASTER_PORT"],
-    )
-    initialize()
 
 
 def num_processes():
@@ -414,7 +370,7 @@ def list_devices(device_type=None):
     kind = _normalize_device_type(device_type)
     if kind == "tpu" or (kind == "gpu" and not torch.cuda.is_available()):
         return []
-    if not is_initialized() and launched_world_size() > 1:
+    if not is_initialized() and detect_launch().start != environments.SINGLE:
         ensure_initialized("list_devices()")
     return [f"{kind}:{rank}" for rank in range(num_processes())]
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT
+from helpers import finish as _finish
 from helpers import free_port
 
 
@@ -37,19 +38,6 @@ def _start(args, env):
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )
-
-
-def _finish(process, timeout):
-    """CompletedProcess of a started launch; kills its session on timeout."""
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the session this test started
-        stdout, stderr = process.communicate()
-        raise AssertionError(
-            f"ktd did not finish within {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}"
-        ) from None
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def _ktd_run(*args, n=2, timeout=240, **env):

@@ -376,7 +376,8 @@ def test_torchrun_env_mismatch_is_refused(fresh_pool2):
         )
         assert_error(
             devices,
-            "RuntimeError",
-            r"WORLD_SIZE=2 processes, but torch.distributed is not initialized yet.*initialize\(\)",
+            "IncompleteEnvironmentError",  # a RuntimeError
+            r"WORLD_SIZE=2 says this process is one of 2, but the environment lacks "
+            r"MASTER_ADDR, MASTER_PORT to join the others.*ktd run -n 2",
         )
         assert not initialized

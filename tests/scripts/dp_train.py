@@ -4,6 +4,8 @@ Run by tests/e2e/test_launch.py on 2 processes of one node and on 2 simulated
 nodes x 1 process: both runs must print the same numbers. With
 `--without-initialize` it is written as single-host JAX scripts are: it
 never calls keras.distribution.initialize() and lists the devices first.
+tests/e2e/test_clusters.py runs it as each scheduler starts processes
+(plain `python dp_train.py` with SLURM's, Open MPI's, PMI's variables).
 """
 
 import os
@@ -11,6 +13,8 @@ import sys
 
 import keras
 import numpy as np
+
+import keras_torch_distribution
 
 if "--without-initialize" in sys.argv:
     print(f"rank={os.environ.get('RANK')} devices={keras.distribution.list_devices()}",
@@ -27,7 +31,7 @@ rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 6)).astype("float32")
 y = rng.normal(size=(64, 2)).astype("float32")
 history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
-rank = os.environ.get("RANK")
+rank = keras_torch_distribution.process_id()
 weights = [float(np.asarray(w, dtype="float64").sum()) for w in model.get_weights()]
 print(
     f"rank={rank} world={keras.distribution.DataParallel().num_processes} "

@@ -3,7 +3,8 @@
 `rank_fails.py raise`: rank 1 raises after its first epoch; torchrun stops
 rank 0 and names rank 1. `rank_fails.py stall`: rank 1 stops answering (it
 sleeps) instead of training; rank 0's first gradient all-reduce times out
-after KTD_TIMEOUT_SECONDS. Run by tests/e2e/test_launch.py.
+after KTD_TIMEOUT_SECONDS. Run by tests/e2e/test_launch.py (`ktd run`) and
+tests/e2e/test_clusters.py (processes started by initialize()).
 """
 
 import os
@@ -12,6 +13,8 @@ import time
 
 import keras
 import numpy as np
+
+import keras_torch_distribution  # noqa: F401  (also run without `ktd run`)
 
 keras.distribution.initialize()
 keras.distribution.set_distribution(keras.distribution.DataParallel())

@@ -181,7 +181,8 @@ def test_unknown_device_type():
 
 def test_devices_need_initialize_when_launched(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2.*Call keras.distribution.initialize\(\) first"):
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 says.*lacks MASTER_ADDR, "
+                                            r"MASTER_PORT, RANK.*keras.distribution.initialize\("):
         keras.distribution.list_devices()
 
 
@@ -206,16 +207,20 @@ def test_timeout_must_be_positive(monkeypatch, text):
 
 
 def test_init_method_parsing():
-    assert runtime._init_method("10.0.0.1:1234") == "tcp://10.0.0.1:1234"
-    assert runtime._init_method("10.0.0.1:1234,10.0.0.2:2345") == "tcp://10.0.0.1:1234"
-    assert runtime._init_method("file:///tmp/x") == "file:///tmp/x"
-    assert runtime._init_method("localhost") == "tcp://localhost:29500"
+    from keras_torch_distribution.launch.environments import coordinator_url
+
+    assert coordinator_url("10.0.0.1:1234") == "tcp://10.0.0.1:1234"
+    assert coordinator_url("10.0.0.1:1234,10.0.0.2:2345") == "tcp://10.0.0.1:1234"
+    assert coordinator_url("file:///tmp/x") == "file:///tmp/x"
+    assert coordinator_url("localhost") == "tcp://localhost:29500"
     for bad in (":1234", "host:port"):
         with pytest.raises(ValueError, match=rf"job_addresses='{bad}'"):
-            runtime._init_method(bad)
+            coordinator_url(bad)
 
 
-def test_initialize_argument_errors():
+def test_initialize_argument_errors(monkeypatch):
+    # KTD_SPAWN=0: initialize(num_processes=2) must not start 2 pytest processes.
+    monkeypatch.setenv("KTD_SPAWN", "0")
     if dist.is_initialized():
         pytest.skip("a process group runs in the pytest process; initialize() would return early")
     with pytest.raises(ValueError, match=r"also needs num_processes and process_id"):
@@ -228,7 +233,11 @@ def test_initialize_argument_errors():
         keras.distribution.initialize(
             job_addresses="a:1,b:2,c:3", num_processes=2, process_id=0
         )
-    with pytest.raises(ValueError, match=r"initialize\(num_processes=2\) needs job_addresses"):
+    with pytest.raises(ValueError, match=(
+            r"^initialize\(num_processes=2\) would start 2 local processes, but "
+            r"KTD_SPAWN=0 is set. Start the script with `ktd run -n 2 script.py` \(or "
+            r"torchrun --nproc-per-node 2\); or give every process "
+            r"job_addresses='host:port' \(process 0's\) and its process_id.$")):
         keras.distribution.initialize(num_processes=2)
     assert not dist.is_initialized()
 

@@ -234,3 +234,32 @@ def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
     late = _failure(tmp_path, 4, 1, 105, _LOST_PEER)
     early = _failure(tmp_path, 5, 1, 104, _LOST_PEER)
     assert launch.failure_summary({4: late, 5: early}).startswith("ktd run: rank 5 ")
+
+
+@pytest.mark.parametrize("signal_name, meaning", [
+    ("SIGXFSZ", "The file-size limit (`ulimit -f`) was hit while it wrote a file (a "
+                "checkpoint, a log): raise or lift that limit, or write less, e.g. to "
+                "another directory. It left no traceback."),
+    ("SIGBUS", "Memory it had mapped went away: shared memory or a memory-mapped file was "
+               "full or truncated, most often /dev/shm (a container's small --shm-size; see "
+               "`df -h /dev/shm`). It left no traceback."),
+    ("SIGXCPU", "Its CPU-time limit (`ulimit -t`, or a scheduler's) ran out: raise the "
+                "limit. It left no traceback."),
+    ("SIGABRT", "Native code aborted it (a failed C++ check, or `terminate called ...`); its "
+                "last output above says why. It left no traceback."),
+    ("SIGTERM", "It was killed from outside Python (the kernel's out-of-memory killer: see "
+                "`dmesg`; a scheduler's time or memory limit; or `kill`), so it left no "
+                "traceback."),
+])
+def test_failure_summary_says_what_a_signal_means(tmp_path, signal_name, meaning):
+    """A rank killed by a signal that names its cause is not called a crash
+    in native code: the summary says what was hit and the fix."""
+    number = getattr(signal, signal_name)
+    killed = _failure(tmp_path, 1, -number, 100)
+    assert launch.failure_summary({1: killed}) == (
+        f"ktd run: rank 1 (local rank 1) died first, by signal {signal_name} (exit code "
+        f"-{int(number)}). {meaning} torchrun stopped the other processes."
+    )
+    # The processes initialize() starts are named as that launcher's.
+    assert launch.failure_summary({1: killed}, launcher="keras.distribution.initialize()") \
+        .startswith("keras.distribution.initialize(): rank 1 (local rank 1) died first")

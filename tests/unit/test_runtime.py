@@ -132,16 +132,17 @@ def test_a_launch_without_its_environment_says_how_to_start(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     expected = (
-        "This process is one of WORLD_SIZE=2 processes, but torch.distributed is not "
-        "initialized yet and the environment lacks MASTER_ADDR, MASTER_PORT to start "
-        "it. Call keras.distribution.initialize() first, on every process, with "
-        "job_addresses='host:port' (process 0's), num_processes=2 and process_id (this "
-        "process's index); or launch the script with `ktd run -n 2 script.py` or "
-        "torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."
+        "WORLD_SIZE=2 says this process is one of 2, but the environment lacks "
+        "MASTER_ADDR, MASTER_PORT to join the others (found RANK=1, WORLD_SIZE=2). "
+        "Launch the script with `ktd run -n 2 script.py` or torchrun, which set RANK, "
+        "WORLD_SIZE, MASTER_ADDR and MASTER_PORT; or call "
+        "keras.distribution.initialize(job_addresses='host:port' (process 0's), "
+        "num_processes=2, process_id=...) on every process; or unset WORLD_SIZE for a "
+        "one-process run."
     )
     mesh = keras.distribution.DeviceMesh((2,), ["model"], ["cpu:0", "cpu:1"])
     for use in (keras.distribution.list_devices, keras.distribution.DataParallel,
-                lambda: mesh.backend_mesh):
+                lambda: mesh.backend_mesh, keras.distribution.initialize):
         with pytest.raises(RuntimeError) as caught:
             use()
         assert str(caught.value) == expected

@@ -19,6 +19,14 @@ LAYERS = [
     "_keras",  # the only importer of keras.src
     "_env",  # KTD_* settings
     "log",
+    "launch.hostlist",  # the launch side: detection and process start (pure of Keras)
+    "launch.variables",
+    "launch.schedulers",
+    "launch.environments",
+    "launch.failures",
+    "launch.spawn",
+    "launch.torchrun",  # `ktd run`
+    "launch",
     "seeds",  # every process agrees on seeds (runtime seeds a new group)
     "runtime",
     "layouts",
@@ -52,7 +60,7 @@ LAYERS = [
     "report",
     "_install",  # the patch table
     "__init__",
-    "launch",
+    "launch.__main__",  # what each launched process runs
     "cli",
     "__main__",
     "testing",

@@ -15,13 +15,11 @@ any rank starts.
 
 import errno
 import os
-import re
-import runpy
-import signal
 import socket
-import sys
 
 from keras_torch_distribution import _env
+from keras_torch_distribution.launch.failures import failure_summary
+from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
 
 _OWN_OPTIONS = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
 # Options that tell torchrun where the other nodes are: with any of them (or
@@ -173,6 +171,9 @@ def run(argv):
     port = _hosted_port(arguments)
     if port is not None:
         _check_port_free(port)
+    # Each process dies with this one, even if it is SIGKILLed (see __main__).
+    parent_before = os.environ.get(PARENT_PID_VARIABLE)
+    os.environ[PARENT_PID_VARIABLE] = str(os.getpid())
     try:
         torch_run.main(arguments)
     except ChildFailedError as error:
@@ -184,136 +185,8 @@ def run(argv):
             raise
         # Taken between our check and torchrun's own bind.
         raise SystemExit(_port_in_use_message(port, "address already in use")) from None
-
-
-# Words of errors a rank raises when a peer went away, not a cause of its own
-# (gloo, NCCL, and the TCP store).
-_LOST_PEER = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-    r"remote process exited|ECONNRESET|EPIPE|failed to recv, got 0 bytes",
-    re.IGNORECASE,
-)
-# Signals sent from outside the process (a person, a scheduler, the kernel's
-# out-of-memory killer), as opposed to a crash in native code.
-_KILL_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXCPU")
-_KERAS_CALL_CONTEXT = "Exception encountered when calling "
-_NO_ERROR_FILE = "<N/A>"  # torchrun's ProcessFailure.error_file without one
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_MAX_CAUSE_CHARS = 400
-
-
-def first_failure(failures):
-    """(rank, failure) of the rank that most likely failed first.
-
-    torchrun orders failures by whole seconds (a tie goes to the rank it
-    saw first) and also lists the ranks it stopped itself (by SIGTERM, after
-    the first failure). So a rank that failed only because its peer died (a
-    broken connection) can look first. Order: ranks that failed for a
-    reason of their own (an exception, a signal) before ranks that lost a
-    peer; then the earliest; in a tie, ranks that torchrun may have stopped
-    (SIGTERM, nothing recorded) last.
-    """
-    def order(rank):
-        failure = failures[rank]
-        exception = _exception(failure)
-        lost_peer = bool(exception and _LOST_PEER.search(exception))
-        maybe_stopped = exception is None and failure.exitcode == -signal.SIGTERM
-        return (lost_peer, failure.timestamp, maybe_stopped, rank)
-
-    rank = min(failures, key=order)
-    return rank, failures[rank]
-
-
-def failure_summary(failures):
-    """The last line `ktd run` prints when ranks failed: which rank failed
-    first, and its exception's type and first line (or its signal)."""
-    rank, failure = first_failure(failures)
-    who = f"ktd run: rank {rank} (local rank {failure.local_rank})"
-    exception = _exception(failure)
-    if exception is None and failure.exitcode < 0:
-        signal_name = failure.signal_name()
-        if signal_name in _KILL_SIGNALS:
-            why = (
-                "It was killed from outside Python (the kernel's out-of-memory "
-                "killer: see `dmesg`; a scheduler's time or memory limit; or "
-                "`kill`), so it left no traceback."
-            )
+    finally:  # (run() is also called in tests' own process)
+        if parent_before is None:
+            del os.environ[PARENT_PID_VARIABLE]
         else:
-            why = (
-                "That is a crash in native code, not a Python exception, so it "
-                "left no Python traceback; its last output above may say why."
-            )
-        return (
-            f"{who} died first, by signal {signal_name} (exit code "
-            f"{failure.exitcode}). {why} torchrun stopped the other processes."
-        )
-    if exception is None:
-        return (
-            f"{who} failed first, exit code {failure.exitcode}, without a "
-            "Python exception on record (it called sys.exit or os._exit, or a "
-            "library ended the process); its output is above. torchrun stopped "
-            "the other processes."
-        )
-    lost_peer = (
-        " It lost its connection to another rank, which most likely died "
-        "without a record (killed, or out of memory)."
-        if _LOST_PEER.search(exception) else ""
-    )
-    exit_code = f"exit code {failure.exitcode}"
-    if failure.exitcode < 0:  # stopped by torchrun after it raised
-        exit_code += f" ({failure.signal_name()})"
-    return (
-        f"{who} failed first, {exit_code}: {_cause(exception)}"
-        f"{lost_peer} torchrun stopped the other processes; that rank's "
-        "traceback is above. If a rank hangs instead, KTD_TIMEOUT_SECONDS "
-        "bounds how long collectives wait for it."
-    )
-
-
-def _exception(failure):
-    """The exception text a rank recorded in its error file (our `record`
-    wrapper writes one), or None when it recorded none (killed by a signal,
-    or exited without an exception)."""
-    if failure.error_file == _NO_ERROR_FILE:
-        return None
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    return str(message)
-
-
-def _cause(message):
-    """"Type: first line" of a recorded exception.
-
-    A Keras layer error's first line only says which layer was called; the
-    error itself is the next line, so it is added.
-    """
-    lines = [line.strip() for line in _ANSI.sub("", message).splitlines() if line.strip()]
-    if not lines:
-        return "an exception without a message."
-    cause = lines[0]
-    if _KERAS_CALL_CONTEXT in cause and len(lines) > 1:
-        cause = f"{cause} {lines[1]}"
-    if len(cause) > _MAX_CAUSE_CHARS:
-        cause = cause[:_MAX_CAUSE_CHARS] + "..."
-    return cause if cause.endswith((".", "...")) else cause + "."
-
-
-def _run_script(argv):
-    """Inside each process: install the backend, then run the script."""
-    if not argv:
-        raise SystemExit("usage: python -m keras_torch_distribution.launch SCRIPT [ARGS]")
-    import keras_torch_distribution  # noqa: F401  (installs into Keras)
-
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
-
-
-if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    # record: a failing rank writes its error where torchrun's failure
-    # summary shows it, so the summary names the exception, not only "rank 1".
-    record(_run_script)(sys.argv[1:])
+            os.environ[PARENT_PID_VARIABLE] = parent_before

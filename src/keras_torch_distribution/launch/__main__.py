@@ -1,0 +1,62 @@
+"""What each process of a launch runs: `python -m keras_torch_distribution.launch
+SCRIPT [ARGS]` (or `-m MODULE [ARGS]`).
+
+`ktd run` and the local processes `initialize()` starts run every process
+this way: the backend is installed into Keras before the script runs (so
+an unchanged Keras script runs on torch), a failing process records its
+exception where the launcher's failure summary reads it, and a process
+whose launcher dies (even by SIGKILL) is killed with it rather than left
+running.
+"""
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+
+from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
+
+USAGE = "usage: python -m keras_torch_distribution.launch SCRIPT [ARGS] | -m MODULE [ARGS]"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(environ=os.environ):
+    """On Linux, have the kernel SIGKILL this process when the launcher that
+    started it exits (prctl PR_SET_PDEATHSIG), and exit now if it already
+    has. Does nothing elsewhere or without KTD_PARENT_PID."""
+    parent = environ.get(PARENT_PID_VARIABLE, "")
+    if not sys.platform.startswith("linux") or not parent.isdigit():
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(parent):  # it died before the prctl took effect
+        raise SystemExit(f"the launcher (pid {parent}) that started this process is gone")
+
+
+def run_target(argv):
+    """Install the backend, then run a script file or `-m MODULE` as __main__."""
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        raise SystemExit(USAGE)
+    import keras_torch_distribution  # noqa: F401  (installs into Keras)
+
+    if argv[0] == "-m":
+        module = argv[1]
+        sys.argv = [module] + list(argv[2:])  # run_module puts the file first
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    die_with_parent()
+    # record: a failing rank writes its error where torchrun's failure
+    # summary shows it, so the summary names the exception, not only "rank 1".
+    record(run_target)(sys.argv[1:])

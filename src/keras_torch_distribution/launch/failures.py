@@ -1,0 +1,154 @@
+"""Why a launch failed: the one line naming the process that failed first.
+
+Used by `ktd run` and by the local processes `initialize()` starts (both
+run torch's elastic agent, whose `ChildFailedError.failures` this reads).
+"""
+
+import re
+import signal
+
+# Words of errors a rank raises when a peer went away, not a cause of its own
+# (gloo, NCCL, and the TCP store).
+_LOST_PEER = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"remote process exited|ECONNRESET|EPIPE|failed to recv, got 0 bytes",
+    re.IGNORECASE,
+)
+# Signals sent from outside the process (a person, a scheduler, the kernel's
+# out-of-memory killer), as opposed to a crash in native code.
+_KILL_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# Signals that name their own cause: what it was and what to do.
+_SIGNAL_CAUSES = {
+    "SIGXFSZ": (
+        "The file-size limit (`ulimit -f`) was hit while it wrote a file (a "
+        "checkpoint, a log): raise or lift that limit, or write less, e.g. to "
+        "another directory."
+    ),
+    "SIGXCPU": (
+        "Its CPU-time limit (`ulimit -t`, or a scheduler's) ran out: raise the "
+        "limit."
+    ),
+    "SIGBUS": (
+        "Memory it had mapped went away: shared memory or a memory-mapped file "
+        "was full or truncated, most often /dev/shm (a container's small "
+        "--shm-size; see `df -h /dev/shm`)."
+    ),
+    "SIGABRT": (
+        "Native code aborted it (a failed C++ check, or `terminate called ...`); "
+        "its last output above says why."
+    ),
+    "SIGILL": (
+        "It ran an instruction this CPU lacks (a library built for another CPU) "
+        "or hit a failed native check."
+    ),
+}
+_KERAS_CALL_CONTEXT = "Exception encountered when calling "
+_NO_ERROR_FILE = "<N/A>"  # torchrun's ProcessFailure.error_file without one
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MAX_CAUSE_CHARS = 400
+
+
+def first_failure(failures):
+    """(rank, failure) of the rank that most likely failed first.
+
+    torchrun orders failures by whole seconds (a tie goes to the rank it
+    saw first) and also lists the ranks it stopped itself (by SIGTERM, after
+    the first failure). So a rank that failed only because its peer died (a
+    broken connection) can look first. Order: ranks that failed for a
+    reason of their own (an exception, a signal) before ranks that lost a
+    peer; then the earliest; in a tie, ranks that torchrun may have stopped
+    (SIGTERM, nothing recorded) last.
+    """
+    def order(rank):
+        failure = failures[rank]
+        exception = _exception(failure)
+        lost_peer = bool(exception and _LOST_PEER.search(exception))
+        maybe_stopped = exception is None and failure.exitcode == -signal.SIGTERM
+        return (lost_peer, failure.timestamp, maybe_stopped, rank)
+
+    rank = min(failures, key=order)
+    return rank, failures[rank]
+
+
+def failure_summary(failures, launcher="ktd run"):
+    """The last line `ktd run` (or `launcher`) prints when ranks failed:
+    which rank failed first, and its exception's type and first line (or
+    its signal and what that signal means)."""
+    rank, failure = first_failure(failures)
+    who = f"{launcher}: rank {rank} (local rank {failure.local_rank})"
+    exception = _exception(failure)
+    if exception is None and failure.exitcode < 0:
+        signal_name = failure.signal_name()
+        return (
+            f"{who} died first, by signal {signal_name} (exit code "
+            f"{failure.exitcode}). {signal_meaning(signal_name)} torchrun stopped "
+            "the other processes."
+        )
+    if exception is None:
+        return (
+            f"{who} failed first, exit code {failure.exitcode}, without a "
+            "Python exception on record (it called sys.exit or os._exit, or a "
+            "library ended the process); its output is above. torchrun stopped "
+            "the other processes."
+        )
+    lost_peer = (
+        " It lost its connection to another rank, which most likely died "
+        "without a record (killed, or out of memory)."
+        if _LOST_PEER.search(exception) else ""
+    )
+    exit_code = f"exit code {failure.exitcode}"
+    if failure.exitcode < 0:  # stopped by torchrun after it raised
+        exit_code += f" ({failure.signal_name()})"
+    return (
+        f"{who} failed first, {exit_code}: {_cause(exception)}"
+        f"{lost_peer} torchrun stopped the other processes; that rank's "
+        "traceback is above. If a rank hangs instead, KTD_TIMEOUT_SECONDS "
+        "bounds how long collectives wait for it."
+    )
+
+
+def signal_meaning(signal_name):
+    """What a process killed by `signal_name` ("SIGKILL") most likely met."""
+    if signal_name in _SIGNAL_CAUSES:
+        return f"{_SIGNAL_CAUSES[signal_name]} It left no traceback."
+    if signal_name in _KILL_SIGNALS:
+        return (
+            "It was killed from outside Python (the kernel's out-of-memory "
+            "killer: see `dmesg`; a scheduler's time or memory limit; or "
+            "`kill`), so it left no traceback."
+        )
+    return (
+        "That is a crash in native code, not a Python exception, so it left no "
+        "Python traceback; its last output above may say why."
+    )
+
+
+def _exception(failure):
+    """The exception text a rank recorded in its error file (our `record`
+    wrapper writes one), or None when it recorded none (killed by a signal,
+    or exited without an exception)."""
+    if failure.error_file == _NO_ERROR_FILE:
+        return None
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message)
+
+
+def _cause(message):
+    """"Type: first line" of a recorded exception.
+
+    A Keras layer error's first line only says which layer was called; the
+    error itself is the next line, so it is added.
+    """
+    lines = [line.strip() for line in _ANSI.sub("", message).splitlines() if line.strip()]
+    if not lines:
+        return "an exception without a message."
+    cause = lines[0]
+    if _KERAS_CALL_CONTEXT in cause and len(lines) > 1:
+        cause = f"{cause} {lines[1]}"
+    if len(cause) > _MAX_CAUSE_CHARS:
+        cause = cause[:_MAX_CAUSE_CHARS] + "..."
+    return cause if cause.endswith((".", "...")) else cause + "."
+
+

@@ -1,0 +1,320 @@
+"""One function per launcher: its variables -> a `Launch`, or None when
+they are absent (see `environments` for the order they are tried in).
+
+Each reads only the mapping it is given (and `Outside` for a file or MPI),
+matches only on its full set of variables, and raises
+`IncompleteEnvironmentError` where they show a job of several processes
+but some are missing or disagree.
+"""
+
+import re
+import zlib
+
+import keras_torch_distribution.launch.hostlist as hostlist
+from keras_torch_distribution.launch.variables import DEFAULT_PORT
+from keras_torch_distribution.launch.variables import SINGLE
+from keras_torch_distribution.launch.variables import SPAWN
+from keras_torch_distribution.launch.variables import SPAWN_VARIABLE
+from keras_torch_distribution.launch.variables import IncompleteEnvironmentError
+from keras_torch_distribution.launch.variables import Launch
+from keras_torch_distribution.launch.variables import join
+from keras_torch_distribution.launch.variables import node_processes
+from keras_torch_distribution.launch.variables import present
+from keras_torch_distribution.launch.variables import read_local_rank
+from keras_torch_distribution.launch.variables import read_port
+from keras_torch_distribution.launch.variables import read_whole
+from keras_torch_distribution.launch.variables import require
+from keras_torch_distribution.launch.variables import shown
+from keras_torch_distribution.launch.variables import spawn_setting
+
+# Ports derived from scheduler ids land in [61440, 65535], as JAX's do.
+_DERIVED_PORT_BASE, _DERIVED_PORT_SPAN = 61440, 4096
+
+
+def _torchelastic(env, local_devices, outside, forced):
+    if not forced and "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    require(env, "torchrun", names, also=("TORCHELASTIC_RUN_ID",),
+             fix="Start it with torchrun or `ktd run -n N` (they set all of them).")
+    world = read_whole(env, "WORLD_SIZE")
+    return join("torchelastic", env, world, read_whole(env, "RANK", minimum=0),
+                 read_local_rank(env, "LOCAL_RANK"), env["MASTER_ADDR"],
+                 read_port(env, "MASTER_PORT"), names + ("LOCAL_RANK",), "env://")
+
+
+def _generic(env, local_devices, outside, forced):
+    """MASTER_ADDR, MASTER_PORT, WORLD_SIZE and a rank: RANK, or
+    NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, or JOB_COMPLETION_INDEX."""
+    if not forced and "WORLD_SIZE" not in env:
+        return None
+    if forced:
+        require(env, "the generic torch variables", ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+                 fix="Set them (and RANK) for every process, as torchrun does.")
+    world = read_whole(env, "WORLD_SIZE")
+    pet_nproc = env.get("PET_NPROC_PER_NODE", "")
+    if (not forced and "LOCAL_RANK" not in env and pet_nproc.isdigit()
+            and int(pet_nproc) > 1):
+        return None  # RANK is a node's rank here: the pet row starts the processes
+    if world == 1 and not forced:
+        return Launch("generic", SINGLE, variables=(("WORLD_SIZE", "1"),))
+    rank_names = ("RANK",)
+    if "RANK" in env:
+        rank = read_whole(env, "RANK", minimum=0)
+    elif "LOCAL_RANK" in env and "NODE_RANK" in env:
+        node, local = read_whole(env, "NODE_RANK", minimum=0), read_whole(env, "LOCAL_RANK", minimum=0)
+        if "LOCAL_WORLD_SIZE" in env:
+            rank = node * read_whole(env, "LOCAL_WORLD_SIZE") + local
+        elif node == 0:
+            rank = local
+        else:
+            rank = None
+        rank_names = ("NODE_RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
+    elif "JOB_COMPLETION_INDEX" in env:
+        rank, rank_names = read_whole(env, "JOB_COMPLETION_INDEX", minimum=0), ("JOB_COMPLETION_INDEX",)
+    else:
+        rank = None
+    missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
+    if rank is None:
+        missing.append("RANK (or NODE_RANK, LOCAL_WORLD_SIZE and LOCAL_RANK)")
+    if missing:
+        found = shown(present(env, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
+                                      "MASTER_ADDR", "MASTER_PORT")))
+        raise IncompleteEnvironmentError(
+            f"WORLD_SIZE={world} says this process is one of {world}, but the "
+            f"environment lacks {', '.join(missing)} to join the others (found "
+            f"{found}). Launch the script with `ktd run -n {world} script.py` or "
+            "torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; or "
+            "call keras.distribution.initialize(job_addresses='host:port' "
+            f"(process 0's), num_processes={world}, process_id=...) on every "
+            "process; or unset WORLD_SIZE for a one-process run."
+        )
+    names = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") + rank_names
+    return join("generic", env, world, rank, read_local_rank(env, "LOCAL_RANK"),
+                 env["MASTER_ADDR"], read_port(env, "MASTER_PORT"), names,
+                 "env://" if "RANK" in env else None)
+
+
+# Open MPI <= 4 publishes its launcher's URI; JAX reads the host and job id
+# from it (jax/_src/clusters/ompi_cluster.py).
+_ORTE_URI = re.compile(r"^(\d+)\.\d+;tcp6?://\[?([0-9a-zA-Z:.\-]+?)\]?(?:,|:\d+)")
+
+
+def _open_mpi(env, local_devices, outside, forced):
+    keys = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+    if not forced and not any(k in env for k in keys):
+        return None
+    require(env, "Open MPI", keys, fix="Start it with mpirun (Open MPI sets both).")
+    world = read_whole(env, "OMPI_COMM_WORLD_SIZE")
+    rank = read_whole(env, "OMPI_COMM_WORLD_RANK", minimum=0)
+    local = read_local_rank(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+    address = port = None
+    match = _ORTE_URI.match(env.get("OMPI_MCA_orte_hnp_uri", ""))
+    if match:
+        address = match.group(2)
+        port = (int(match.group(1)) // _DERIVED_PORT_SPAN) % _DERIVED_PORT_SPAN + _DERIVED_PORT_BASE
+    names = keys + ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_MCA_orte_hnp_uri")
+    return _mpi_join("openmpi", "Open MPI", env, outside, world, rank, local, address, port,
+                     names)
+
+
+def _pmi(env, local_devices, outside, forced):
+    keys = ("PMI_SIZE", "PMI_RANK")
+    if not forced and not any(k in env for k in keys):
+        return None
+    require(env, "MPICH / Intel MPI (PMI)", keys,
+             fix="Start it with mpiexec / mpirun (Hydra sets both).")
+    world, rank = read_whole(env, "PMI_SIZE"), read_whole(env, "PMI_RANK", minimum=0)
+    address = port = None
+    slurm = _slurm_step_address(env)
+    if slurm is not None and env.get("SLURM_PROCID") == env["PMI_RANK"]:
+        address, port = slurm  # srun --mpi=pmi2: SLURM's ranks are these ranks
+    names = keys + ("MPI_LOCALRANKID",)
+    return _mpi_join("pmi", "MPICH / Intel MPI", env, outside, world, rank,
+                     read_local_rank(env, "MPI_LOCALRANKID"), address, port, names)
+
+
+def _mvapich(env, local_devices, outside, forced):
+    keys = ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK")
+    if not forced and not any(k in env for k in keys):
+        return None
+    require(env, "MVAPICH2", keys, fix="Start it with mpirun_rsh / mpiexec.")
+    world, rank = read_whole(env, "MV2_COMM_WORLD_SIZE"), read_whole(env, "MV2_COMM_WORLD_RANK", minimum=0)
+    names = keys + ("MV2_COMM_WORLD_LOCAL_RANK",)
+    return _mpi_join("mvapich", "MVAPICH2", env, outside, world, rank,
+                     read_local_rank(env, "MV2_COMM_WORLD_LOCAL_RANK"), None, None, names)
+
+
+def _mpi_join(name, what, env, outside, world, rank, local, address, port, names):
+    """An MPI row's Launch. MASTER_ADDR / MASTER_PORT win; else the address
+    the MPI tells; else rank 0's, broadcast over MPI by mpi4py where it is
+    installed; else an error asking for MASTER_ADDR."""
+    names = names + ("MASTER_ADDR", "MASTER_PORT")
+    address = env.get("MASTER_ADDR") or address
+    if world > 1 and address is None:
+        told = outside.mpi_address()
+        if told is not None:
+            address, port = told[0], port or told[1]
+    if world > 1 and address is None:
+        raise IncompleteEnvironmentError(
+            f"{what} started this process as rank {rank} of {world} "
+            f"({shown(present(env, names))}), but nothing says where process 0 "
+            "is: MASTER_ADDR is missing (and mpi4py, which could ask rank 0, is not "
+            "installed). Set MASTER_ADDR to process 0's host (reachable from every "
+            "process) and MASTER_PORT to a free port there, for every process, e.g. "
+            "`mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`; or install "
+            "mpi4py; or launch with torchrun / `ktd run` instead."
+        )
+    port = read_port(env, "MASTER_PORT") if env.get("MASTER_PORT") else (port or DEFAULT_PORT)
+    return join(name, env, world, rank, local, address, port, names)
+
+
+def _lsf(env, local_devices, outside, forced):
+    keys = ("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK",
+            "JSM_NAMESPACE_LOCAL_RANK")
+    if not forced and not any(k.startswith("JSM_") and k in env for k in keys):
+        return None
+    require(env, "LSF jsrun", keys, fix="Start it with jsrun (it sets all of them).")
+    world, rank = read_whole(env, "JSM_NAMESPACE_SIZE"), read_whole(env, "JSM_NAMESPACE_RANK", minimum=0)
+    address = env.get("MASTER_ADDR")
+    if not address:
+        # Line 1 is the launch node; the compute hosts follow, rank 0's first.
+        lines = outside.read_text(env["LSB_DJOB_RANKFILE"]).splitlines()[1:]
+        hosts = [line.strip() for line in lines if line.strip()]
+        if not hosts:
+            raise IncompleteEnvironmentError(
+                f"LSF's rank file LSB_DJOB_RANKFILE={env['LSB_DJOB_RANKFILE']!r} lists "
+                "no compute host after its first line. Set MASTER_ADDR to process 0's "
+                "host and MASTER_PORT to a free port there."
+            )
+        address = hosts[0]
+    port = (read_port(env, "MASTER_PORT") if env.get("MASTER_PORT")
+            else read_whole(env, "LSB_JOBID", minimum=0) % 1000 + 10000)
+    return join("lsf", env, world, rank, read_local_rank(env, "JSM_NAMESPACE_LOCAL_RANK"),
+                 address, port, keys + ("MASTER_ADDR", "MASTER_PORT"))
+
+
+_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
+def _slurm(env, local_devices, outside, forced):
+    """An srun step. Its batch script or an salloc shell shows SLURM_NTASKS
+    and SLURM_PROCID too, but no SLURM_STEP_ID: that is no step (one process
+    there is right)."""
+    if not forced and "SLURM_STEP_ID" not in env:
+        return None
+    keys = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID")
+    tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    nodelist = next((k for k in _SLURM_NODELISTS if env.get(k)), "SLURM_STEP_NODELIST")
+    names = keys + (tasks, nodelist)
+    require(env, "SLURM (an srun step)", names,
+             fix="Start the script with srun inside the allocation, e.g. `srun python "
+                 "train.py` (srun sets all of them).")
+    world = read_whole(env, tasks)
+    rank, local = read_whole(env, "SLURM_PROCID", minimum=0), read_whole(env, "SLURM_LOCALID", minimum=0)
+    address, port = _slurm_step_address(env)
+    names = names + ("SLURM_NODEID", "MASTER_ADDR", "MASTER_PORT")
+    joined = join("slurm", env, world, rank, local, address, port, names)
+    nnodes = _slurm_nodes(env, nodelist)
+    nproc = node_processes(env, local_devices)
+    if world != nnodes or nproc <= 1:
+        return joined
+    # One task per node on nodes with several devices: each task starts its
+    # node's processes (rank = node rank * processes per node + index).
+    node_rank = read_whole(env, "SLURM_NODEID", minimum=0) if "SLURM_NODEID" in env else rank
+    return _node_launcher("slurm", env, nnodes, node_rank, nproc, address, port,
+                          names, joined if world > 1 else Launch("slurm", SINGLE))
+
+
+def _slurm_step_address(env):
+    """(first host of the step, port from the job and step ids), MASTER_ADDR /
+    MASTER_PORT winning; None outside a step."""
+    nodelist = next((env[k] for k in _SLURM_NODELISTS if env.get(k)), None)
+    if "SLURM_STEP_ID" not in env or "SLURM_JOB_ID" not in env or nodelist is None:
+        return None
+    address = env.get("MASTER_ADDR") or hostlist.first_host(nodelist)
+    if env.get("MASTER_PORT"):
+        return address, read_port(env, "MASTER_PORT")
+    # Both ids, so concurrent steps of one job do not share a port.
+    ids = f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}".encode()
+    return address, zlib.crc32(ids) % _DERIVED_PORT_SPAN + _DERIVED_PORT_BASE
+
+
+def _slurm_nodes(env, nodelist):
+    for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return sum(1 for _ in hostlist.hosts(env[nodelist]))
+
+
+def _pet(env, local_devices, outside, forced):
+    """A node launcher's PET_* variables (torchrun reads them as its options):
+    one process per node, which starts PET_NPROC_PER_NODE processes."""
+    if not forced and not any(k in env for k in ("PET_NNODES", "PET_NODE_RANK")):
+        return None
+    address_name = "PET_MASTER_ADDR" if env.get("PET_MASTER_ADDR") else "MASTER_ADDR"
+    port_name = "PET_MASTER_PORT" if env.get("PET_MASTER_PORT") else "MASTER_PORT"
+    names = ("PET_NNODES", "PET_NODE_RANK", address_name, port_name)
+    require(env, "a PET_* node launcher (Kubeflow)", names,
+             fix="Set them as Kubeflow's TrainJob does, or start torchrun, which "
+                 "reads them.")
+    low, _, high = env["PET_NNODES"].partition(":")
+    if high and high != low:
+        raise IncompleteEnvironmentError(
+            f"PET_NNODES={env['PET_NNODES']!r} asks for an elastic number of nodes, "
+            "which needs torchrun's rendezvous: run the script with `torchrun "
+            "train.py` (it reads the PET_* variables)."
+        )
+    nnodes = read_whole({"PET_NNODES": low}, "PET_NNODES")
+    node_rank = read_whole(env, "PET_NODE_RANK", minimum=0)
+    nproc = _pet_processes(env, local_devices)
+    address, port = env[address_name], read_port(env, port_name)
+    names = names + ("PET_NPROC_PER_NODE",)
+    if "WORLD_SIZE" in env and read_whole(env, "WORLD_SIZE") != nnodes * nproc:
+        raise IncompleteEnvironmentError(
+            f"WORLD_SIZE={env['WORLD_SIZE']} but PET_NNODES={nnodes} nodes x {nproc} "
+            f"processes per node make {nnodes * nproc} "
+            f"({shown(present(env, names + (SPAWN_VARIABLE,)))}). Without a GPU "
+            f"one process per node starts; set {SPAWN_VARIABLE}=N to start N CPU "
+            "processes per node, or make WORLD_SIZE agree."
+        )
+    joined = join("pet", env, nnodes, node_rank, 0, address, port, names)
+    if nproc == 1:
+        return joined
+    return _node_launcher("pet", env, nnodes, node_rank, nproc, address, port, names,
+                          joined if nnodes > 1 else Launch("pet", SINGLE))
+
+
+def _pet_processes(env, local_devices):
+    """Processes per node: PET_NPROC_PER_NODE on GPUs ("auto"/"gpu": one per
+    GPU). On CPU 1 (Kubeflow writes the pod's CPU count there), unless
+    KTD_SPAWN asks for more."""
+    spawn = spawn_setting(env)
+    if spawn:
+        return spawn
+    text = env.get("PET_NPROC_PER_NODE", "auto")
+    if local_devices < 1:
+        return 1
+    if text in ("auto", "gpu"):
+        return local_devices
+    return read_whole(env, "PET_NPROC_PER_NODE")
+
+
+def _node_launcher(name, env, nnodes, node_rank, nproc, address, port, names, fallback):
+    return Launch(
+        name, SPAWN, world=nnodes * nproc, rank=None, local_rank=None,
+        address=address, port=port, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+        fallback=fallback, variables=present(env, names + (SPAWN_VARIABLE,)),
+    )
+
+
+ROWS = (
+    ("torchelastic", _torchelastic),
+    ("generic", _generic),
+    ("openmpi", _open_mpi),
+    ("pmi", _pmi),
+    ("mvapich", _mvapich),
+    ("lsf", _lsf),
+    ("slurm", _slurm),
+    ("pet", _pet),
+)
