@@ -24,6 +24,8 @@ import torch
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import boundary
+from keras_torch_distribution.log import first_line
+from keras_torch_distribution.log import innermost
 from keras_torch_distribution.log import warn_once
 
 class CompiledForwards:
@@ -87,18 +89,27 @@ class _CompiledForward:
             # and stay eager.
             outputs = boundary.convert_outputs(original, layer, True, *args, **kwargs)
             self.error = error
-            reason = str(error).strip().splitlines()
             warn_once(
                 ("jit-compile-fallback", self.model_name),
                 "jit_compile=True: torch.compile could not run the forward "
-                "of model %r under the current distribution (%s: %s); it "
-                "runs eagerly from now on, with the same numbers. To silence "
+                "of model %r under the current distribution (%s); it runs "
+                "eagerly from now on, with the same numbers. To silence "
                 "this, compile the model with jit_compile=False.",
                 self.model_name,
-                type(error).__name__,
-                " ".join(line.strip() for line in reason[:3]) or "no message",
+                _why(error),
             )
             return outputs
+
+
+def _why(error):
+    """"Type: message" of the error behind a failed compilation: the
+    innermost of its causes (torch wraps the model's own error in its
+    tracing errors, Keras in a layer-call error), with the outer type."""
+    root = innermost(error)
+    text = f"{type(root).__name__}: {first_line(root) or 'no message'}"
+    if root is not error:
+        text = f"{type(error).__name__}, caused by {text}"
+    return text
 
 
 def can_use_flash_attention(original, *args, raise_error=False, **kwargs):

@@ -6,6 +6,7 @@ sets the level.
 
 import logging
 import os
+import re
 import sys
 
 import torch.distributed as dist
@@ -62,6 +63,35 @@ if not logger.filters:
     )
     logger.addHandler(_handler)
     logger.setLevel(_env.log_level())
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_KERAS_CALL_CONTEXT = "Exception encountered when calling "
+
+
+def first_line(message, limit=400):
+    """The first line of an exception's message, colours removed. A Keras
+    layer error's first line only names the layer that was called; the
+    error itself is the next line, which is added. Cut at `limit`
+    characters."""
+    lines = [line.strip() for line in _ANSI.sub("", str(message)).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    text = lines[0]
+    if _KERAS_CALL_CONTEXT in text and len(lines) > 1:
+        text = f"{text} {lines[1]}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def innermost(error):
+    """The exception at the end of `error`'s chain of causes (torch and
+    Keras wrap the model's own error in theirs)."""
+    seen = [error]
+    while True:
+        inner = seen[-1].__cause__ or seen[-1].__context__
+        if inner is None or inner in seen:
+            return seen[-1]
+        seen.append(inner)
 
 
 def warn_on_every_rank(message, *args):

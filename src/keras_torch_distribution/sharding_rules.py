@@ -280,7 +280,7 @@ def _dispatcher_tables():
         raise RuntimeError(
             f"torch {torch.__version__}: DTensor's op dispatcher has no "
             "_custom_op_handlers; keras_torch_distribution supports "
-            "torch>=2.6 as tested with 2.13. Install torch==2.13.0."
+            "torch>=2.13,<2.16 (tested on 2.13.0 and 2.15.0). Install torch==2.15.0."
         )
     return DTensor._op_dispatcher.sharding_propagator, handlers
 

@@ -32,6 +32,8 @@ LAYERS = [
     "layouts",
     "tensors",
     "collectives",  # the one bucketed flat collective
+    "copies",  # copies of a variable made equal from creation
+    "stopping",  # ranks stop together
     "replicas",
     "distribution_lib",
     "sharding_rules",

@@ -7,6 +7,8 @@ run torch's elastic agent, whose `ChildFailedError.failures` this reads).
 import re
 import signal
 
+from keras_torch_distribution.log import first_line
+
 # Words of errors a rank raises when a peer went away, not a cause of its own
 # (gloo, NCCL, and the TCP store).
 _LOST_PEER = re.compile(
@@ -42,9 +44,7 @@ _SIGNAL_CAUSES = {
         "or hit a failed native check."
     ),
 }
-_KERAS_CALL_CONTEXT = "Exception encountered when calling "
 _NO_ERROR_FILE = "<N/A>"  # torchrun's ProcessFailure.error_file without one
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _MAX_CAUSE_CHARS = 400
 
 
@@ -136,19 +136,10 @@ def _exception(failure):
 
 
 def _cause(message):
-    """"Type: first line" of a recorded exception.
-
-    A Keras layer error's first line only says which layer was called; the
-    error itself is the next line, so it is added.
-    """
-    lines = [line.strip() for line in _ANSI.sub("", message).splitlines() if line.strip()]
-    if not lines:
+    """"Type: first line" of a recorded exception (`log.first_line`)."""
+    cause = first_line(message, _MAX_CAUSE_CHARS)
+    if not cause:
         return "an exception without a message."
-    cause = lines[0]
-    if _KERAS_CALL_CONTEXT in cause and len(lines) > 1:
-        cause = f"{cause} {lines[1]}"
-    if len(cause) > _MAX_CAUSE_CHARS:
-        cause = cause[:_MAX_CAUSE_CHARS] + "..."
     return cause if cause.endswith((".", "...")) else cause + "."
 
 
