@@ -38,38 +38,8 @@ from torch.distributed.tensor import DTensor
 aten = torch.ops.aten
 
 
-def _keeping_inputs(options, *specs):
-    """The options that move no input off a sharding it does not have:
-    each sharded input placement an option asks for must already be one of
-    that input's placements. Plain inputs meet DTensors as replicated
-    (implicit replication), also where they hold only this replica's rows:
-    an option that shards them would slice them. torch 2.15's cost model
-    picked such an option for the batch axis of a 2 x 2 mesh (2.13's did
-    not)."""
-    def kept(inputs):
-        return all(
-            want is None or spec is None or isinstance(want, Replicate)
-            or want in tuple(getattr(spec, "placements", ()))
-            for want, spec in zip(inputs, specs)
-        )
-    return [option for option in options if kept(option[1])]
-
-
 def _conv_forward(input, weight, bias, stride, padding, dilation, transposed,
                   output_padding, groups):
-    return _keeping_inputs(
-        _conv_forward_options(bias, transposed, groups), input, weight, bias
-    )
-
-
-def _conv_backward(grad_output, input, weight, bias_sizes, stride, padding,
-                   dilation, transposed, output_padding, groups, output_mask):
-    return _keeping_inputs(
-        _conv_backward_options(transposed, groups), grad_output, input, weight
-    )
-
-
-def _conv_forward_options(bias, transposed, groups):
     rest = [None] * 6
     with_bias = bias is not None
     options = [([Replicate()], [Replicate(), Replicate(), Replicate() if with_bias else None] + rest)]
@@ -88,7 +58,8 @@ def _conv_forward_options(bias, transposed, groups):
     return options
 
 
-def _conv_backward_options(transposed, groups):
+def _conv_backward(grad_output, input, weight, bias_sizes, stride, padding,
+                   dilation, transposed, output_padding, groups, output_mask):
     rest = [None] * 8
     options = [([Replicate()] * 3, [Replicate()] * 3 + rest)]
     if groups == 1 and not transposed:
