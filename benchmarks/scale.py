@@ -119,8 +119,19 @@ class Sampler:
         return self._process.memory_info().rss
 
     def _run(self):
+        limit = int(os.environ.get("BENCH_RSS_LIMIT", "0"))
+        deadline = time.monotonic() + float(os.environ.get("BENCH_DEADLINE", "1e9"))
         while not self._stop.is_set():
             rss = self.rss()
+            if (limit and rss > limit) or time.monotonic() > deadline:
+                # torchrun starts ranks in sessions of their own, out of the
+                # driver's reach on a timeout: a rank stops itself before it
+                # takes the machine's memory (or time) from other work.
+                sys.stderr.write(
+                    f"scale.py: rank stopped itself: RSS {rss / 2**30:.2f} GiB "
+                    f"(limit {limit / 2**30:.2f} GiB) or past its deadline\n")
+                sys.stderr.flush()
+                os._exit(3)
             with self._lock:
                 self.phase_peak = max(self.phase_peak, rss)
                 self.mark_peak = max(self.mark_peak, rss)
@@ -666,10 +677,20 @@ def main():
                         help="keras_hub's map as it is (reverse_embeddings "
                              "replicated)")
     parser.add_argument("--timeout", type=float, default=420)
+    parser.add_argument("--rss-limit-gib", type=float, default=3.4,
+                        help="a rank whose RSS exceeds this stops itself "
+                             "(4 ranks share the machine with other work)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=N",
+                        help="override a model/run setting, e.g. --set layers=4")
     parser.add_argument("--out", default="scale",
                         help="results/<out>.json")
     args = parser.parse_args()
     c = dict(CONFIGS["quick" if args.quick else "full"])
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in c:
+            parser.error(f"--set {item!r}: unknown key {key!r}; choose from {sorted(c)}")
+        c[key] = int(value)
     params = param_count(c)
     state = 16 * params
     print(f"scale: keras_hub Llama {params / 1e6:.1f} M parameters, training "
@@ -683,6 +704,8 @@ def main():
             for case in args.cases.split(","):
                 env = dict(ALLOCATORS[allocator],
                            BENCH_CONFIG=json.dumps(c),
+                           BENCH_RSS_LIMIT=str(int(args.rss_limit_gib * 2**30)),
+                           BENCH_DEADLINE=str(args.timeout),
                            BENCH_CHECKPOINT=os.path.join(directory, f"{case}-ckpt"),
                            BENCH_SHARD_REVERSE="0" if args.keep_reverse_embeddings_whole else "1")
                 if args.snapshot:
@@ -716,6 +739,7 @@ def main():
         "targets": {"peak_of_training_state": TARGET_OF_STATE,
                     "peak_over_fsdp2": TARGET_OF_FSDP2},
         "wall_seconds": round(wall, 1),
+        "overrides": args.set,
         "errors": errors,
     }
     first = next((a for a in ("default", "mmap") if a in runs), None)

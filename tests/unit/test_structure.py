@@ -30,6 +30,7 @@ LAYERS = [
     "sharded_init",
     "fsdp",
     "variables",
+    "whole_variables",  # what a layout map leaves whole
     "data",
     "random_slices",
     "sync_batch_norm",
