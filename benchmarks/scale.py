@@ -321,6 +321,13 @@ def _data(c, steps):
     return x, ids[:, 1:].astype("int32")
 
 
+def _malloc_trim():
+    """glibc's malloc_trim(0): return the free pages of every arena."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def keras_worker():
     import keras
     import keras_hub
@@ -365,11 +372,14 @@ def keras_worker():
             [v.value for v in model.variables], opt_vars,
             [getattr(v.value, "grad", None) for v in model.trainable_variables])
 
+    trim = _malloc_trim if os.environ.get("BENCH_TRIM") else (lambda: None)
+
     class Marks(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             sampler.mark(f"before step {batch}")
 
         def on_train_batch_end(self, batch, logs=None):
+            trim()
             sampler.mark(f"step {batch}: optimizer done, to batch end")
 
     def instrument(model):
@@ -676,6 +686,9 @@ def main():
     parser.add_argument("--keep-reverse-embeddings-whole", action="store_true",
                         help="keras_hub's map as it is (reverse_embeddings "
                              "replicated)")
+    parser.add_argument("--trim", action="store_true",
+                        help="experiment: glibc malloc_trim(0) after every "
+                             "Keras step")
     parser.add_argument("--timeout", type=float, default=420)
     parser.add_argument("--rss-limit-gib", type=float, default=3.4,
                         help="a rank whose RSS exceeds this stops itself "
@@ -710,6 +723,8 @@ def main():
                            BENCH_SHARD_REVERSE="0" if args.keep_reverse_embeddings_whole else "1")
                 if args.snapshot:
                     env["BENCH_SNAPSHOT"] = "1"
+                if args.trim:
+                    env["BENCH_TRIM"] = "1"
                 try:
                     runs.setdefault(allocator, {})[case] = _launch.launch(
                         os.path.abspath(__file__), case, 4,
