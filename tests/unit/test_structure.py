@@ -29,6 +29,7 @@ LAYERS = [
     "sharding_rules",
     "sharded_init",
     "fsdp",
+    "einsum_grad",  # einsum that saves its operands (FSDP regathers them)
     "variables",
     "whole_variables",  # what a layout map leaves whole
     "data",
