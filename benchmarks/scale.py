@@ -321,6 +321,15 @@ def _data(c, steps):
     return x, ids[:, 1:].astype("int32")
 
 
+def _write_partial(result):
+    """What a rank measured so far (BENCH_PARTIAL/rank<r>.json), for a
+    launch stopped before its end."""
+    directory = os.environ.get("BENCH_PARTIAL")
+    if directory:
+        with open(os.path.join(directory, f"rank{result['rank']}.json"), "w") as f:
+            json.dump(result, f)
+
+
 def _malloc_trim():
     """glibc's malloc_trim(0): return the free pages of every arena."""
     import ctypes
@@ -410,6 +419,9 @@ def keras_worker():
         peaks[name] = sampler.end_phase() - baseline
         marks[name] = [(label, peak - baseline, rss - baseline)
                        for label, peak, rss in sampler.marks]
+        _write_partial(dict(case="keras", rank=rank, peak_above_baseline=peaks,
+                            seconds=seconds, marks=marks, census=census,
+                            saved_for_backward=saved.summary() if saved else None))
         return result
 
     model = phase("build", lambda: _llama(keras, keras_hub, c))
@@ -619,6 +631,8 @@ def torch_worker():
         result = action()
         seconds[name] = time.perf_counter() - started
         peaks[name] = sampler.end_phase() - baseline
+        _write_partial(dict(case="torch", rank=rank, peak_above_baseline=peaks,
+                            seconds=seconds))
         return result
 
     model, optimizer = phase("build", lambda: build(0))
@@ -709,7 +723,7 @@ def main():
     print(f"scale: keras_hub Llama {params / 1e6:.1f} M parameters, training "
           f"state {state / 1e9:.2f} GB, 4 processes, seq {c['seq']} x batch "
           f"{c['batch']}", flush=True)
-    runs, errors = {}, {}
+    runs, errors, payload_partial = {}, {}, {}
     directory = tempfile.mkdtemp(prefix="ktd-scale-")
     started = time.monotonic()
     try:
@@ -725,12 +739,24 @@ def main():
                     env["BENCH_SNAPSHOT"] = "1"
                 if args.trim:
                     env["BENCH_TRIM"] = "1"
+                partial = os.path.join(directory, f"{case}-{allocator}-partial")
+                os.makedirs(partial)
+                env["BENCH_PARTIAL"] = partial
                 try:
                     runs.setdefault(allocator, {})[case] = _launch.launch(
                         os.path.abspath(__file__), case, 4,
                         timeout=args.timeout, extra_env=env)
                 except RuntimeError as error:
                     errors[f"{case} {allocator}"] = str(error)[-3000:]
+                    found = {}
+                    for name in sorted(os.listdir(partial)):
+                        with open(os.path.join(partial, name)) as f:
+                            found[name] = json.load(f)
+                    payload_partial.setdefault(allocator, {})[case] = found
+                    for name, r in found.items():
+                        print(f"  partial {case} {allocator} {name}: " + ", ".join(
+                            f"{p} {v / state:.3f}"
+                            for p, v in r["peak_above_baseline"].items()), flush=True)
                     print(f"  {case} {allocator} FAILED: {str(error)[-1500:]}",
                           flush=True)
                 shutil.rmtree(os.path.join(directory, f"{case}-ckpt"),
@@ -756,6 +782,7 @@ def main():
         "wall_seconds": round(wall, 1),
         "overrides": args.set,
         "errors": errors,
+        "partial_results_of_failed_launches": payload_partial,
     }
     first = next((a for a in ("default", "mmap") if a in runs), None)
     payload["peak_rss_bytes_per_rank"] = per_rank(first, "keras") if first else None
