@@ -63,6 +63,8 @@ import weakref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _launch  # noqa: E402
+from fsdp import _reset_vm_hwm  # noqa: E402
+from fsdp import _vm_hwm_bytes as _vm_hwm  # noqa: E402
 
 CONFIGS = {
     "full": dict(vocab=32000, hidden=2048, heads=16, kv_heads=16,
@@ -164,20 +166,35 @@ class Sampler:
         self._thread.join()
 
 
-def _vm_hwm():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return None
+class Phases:
+    """Runs the phases of one rank: each between barriers, its peak RSS
+    above `baseline` and its seconds recorded; what was measured so far is
+    written after each (`_write_partial`), with `more()`'s entries."""
 
+    def __init__(self, sampler, case, rank, more=dict):
+        import torch.distributed as dist
 
-def _reset_vm_hwm():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+        self._barrier = dist.barrier
+        self.sampler = sampler
+        self.case, self.rank, self.more = case, rank, more
+        gc.collect()
+        self._barrier()
+        self.baseline = sampler.rss()
+        self.peaks, self.seconds, self.marks = {}, {}, {}
+
+    def run(self, name, action):
+        gc.collect()
+        self._barrier()
+        self.sampler.start_phase()
+        started = time.perf_counter()
+        result = action()
+        self.seconds[name] = time.perf_counter() - started
+        self.peaks[name] = self.sampler.end_phase() - self.baseline
+        self.marks[name] = [(label, peak - self.baseline, rss - self.baseline)
+                            for label, peak, rss in self.sampler.marks]
+        _write_partial(dict(self.more(), case=self.case, rank=self.rank,
+                            peak_above_baseline=self.peaks, seconds=self.seconds))
+        return result
 
 
 def _storage_key(tensor):
@@ -368,11 +385,11 @@ def keras_worker():
         saved.install()
 
     sampler = Sampler()
-    gc.collect()
-    dist.barrier()
-    baseline = sampler.rss()
-    peaks, marks, census, seconds = {}, {}, {}, {}
-    losses = {}
+    census, losses = {}, {}
+    phases = Phases(sampler, "keras", rank, more=lambda: dict(
+        marks=phases.marks, census=census,
+        saved_for_backward=saved.summary() if saved is not None else None))
+    phase, baseline = phases.run, phases.baseline
 
     def named(model):
         optimizer = model.optimizer
@@ -408,21 +425,6 @@ def keras_worker():
             return result
 
         model.optimizer.apply = marked_apply
-
-    def phase(name, action):
-        gc.collect()
-        dist.barrier()
-        sampler.start_phase()
-        started = time.perf_counter()
-        result = action()
-        seconds[name] = time.perf_counter() - started
-        peaks[name] = sampler.end_phase() - baseline
-        marks[name] = [(label, peak - baseline, rss - baseline)
-                       for label, peak, rss in sampler.marks]
-        _write_partial(dict(case="keras", rank=rank, peak_above_baseline=peaks,
-                            seconds=seconds, marks=marks, census=census,
-                            saved_for_backward=saved.summary() if saved else None))
-        return result
 
     model = phase("build", lambda: _llama(keras, keras_hub, c))
     census["build"] = live_tensors(named(model))
@@ -470,7 +472,8 @@ def keras_worker():
     ]
     result = dict(
         case="keras", rank=rank, world=world, baseline_rss_bytes=baseline,
-        peak_above_baseline=peaks, seconds=seconds, marks=marks, census=census,
+        peak_above_baseline=phases.peaks, seconds=phases.seconds, marks=phases.marks,
+        census=census,
         rss_after_deleting_first_model=after_delete, losses=losses,
         extra_loaded=extra, params=full_params, local_state_bytes=local_state,
         replicated_params=whole, keras=keras.__version__,
@@ -618,22 +621,8 @@ def torch_worker():
         return float(loss)
 
     sampler = Sampler()
-    gc.collect()
-    dist.barrier()
-    baseline = sampler.rss()
-    peaks, seconds = {}, {}
-
-    def phase(name, action):
-        gc.collect()
-        dist.barrier()
-        sampler.start_phase()
-        started = time.perf_counter()
-        result = action()
-        seconds[name] = time.perf_counter() - started
-        peaks[name] = sampler.end_phase() - baseline
-        _write_partial(dict(case="torch", rank=rank, peak_above_baseline=peaks,
-                            seconds=seconds))
-        return result
+    phases = Phases(sampler, "torch", rank)
+    phase, baseline = phases.run, phases.baseline
 
     model, optimizer = phase("build", lambda: build(0))
     losses = {"fit": phase("fit", lambda: [step(model, optimizer, i)
@@ -669,7 +658,7 @@ def torch_worker():
     sampler.stop()
     _launch.write_rank_result(dict(
         case="torch", rank=rank, world=world, baseline_rss_bytes=baseline,
-        peak_above_baseline=peaks, seconds=seconds, losses=losses, params=params,
+        peak_above_baseline=phases.peaks, seconds=phases.seconds, losses=losses, params=params,
         local_state_bytes={"weights": state, "optimizer": state_optimizer},
     ))
     dist.barrier()
