@@ -20,6 +20,7 @@ grad, a)`. Other calls (one or three operands, ellipses, repeated or
 operand-only indices, compiling) go to Keras' own einsum.
 """
 
+import keras
 import torch
 
 from keras_torch_distribution import fsdp
@@ -79,7 +80,9 @@ def einsum(original, subscripts, *operands, **kwargs):
     ):
         return original(subscripts, *operands, **kwargs)
     parsed = _subscripts(subscripts)
-    a, b = operands
+    # As Keras' einsum does first: a Keras variable becomes its value for
+    # use, i.e. a kernel sharded on the batch axis is gathered here.
+    a, b = (keras.ops.convert_to_tensor(x) for x in operands)
     if (
         parsed is None
         or not isinstance(a, torch.Tensor)
@@ -88,5 +91,5 @@ def einsum(original, subscripts, *operands, **kwargs):
         or a.dtype != b.dtype
         or not a.is_floating_point()
     ):
-        return original(subscripts, *operands, **kwargs)
+        return original(subscripts, a, b)
     return _Einsum.apply(parsed, a, b)

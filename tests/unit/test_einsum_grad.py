@@ -88,3 +88,18 @@ def test_without_fsdp_variables_keras_einsum_runs(monkeypatch):
     a, b = torch.randn(2, 3, requires_grad=True), torch.randn(3, 4)
     einsum_grad.einsum(lambda *args: calls.append(args) or torch.einsum(*args), "ab,bc->ac", a, b)
     assert len(calls) == 1
+
+
+def test_keras_einsum_dense_kernel_is_saved_itself(fsdp_on):
+    """EinsumDense passes its kernel as a Keras variable: converted first
+    (gathered, under FSDP), then saved as it is."""
+    import keras
+
+    layer = keras.layers.EinsumDense("btnh,nhd->btd", output_shape=(None, 64))
+    x = torch.randn(1, 8, 4, 16)
+    layer.build(x.shape)
+    kernel = layer.kernel.value
+    node = layer(x).grad_fn
+    assert "_Einsum" in type(node).__name__, node
+    saved_x, saved_kernel = node.saved_tensors
+    assert saved_kernel.untyped_storage().data_ptr() == kernel.untyped_storage().data_ptr()
