@@ -85,6 +85,7 @@ def _fit_llama(shard_reverse, checkpoint_dir=None):
     )
 
 
+@pytest.mark.slow
 def test_map_that_leaves_reverse_embeddings_whole_warns_once(pool2, tmp_path):
     from keras_torch_distribution.report import checkpoint_table
     from keras_torch_distribution.report import format_checkpoint_table
@@ -108,6 +109,7 @@ def test_map_that_leaves_reverse_embeddings_whole_warns_once(pool2, tmp_path):
     ) in text, text
 
 
+@pytest.mark.slow
 def test_no_warning_when_every_large_variable_is_sharded(pool2, tmp_path):
     from keras_torch_distribution.report import checkpoint_table
 
