@@ -19,6 +19,7 @@ from keras_torch_distribution import compiled
 from keras_torch_distribution import copies
 from keras_torch_distribution import data
 from keras_torch_distribution import distribution_lib
+from keras_torch_distribution import einsum_grad
 from keras_torch_distribution import fsdp
 from keras_torch_distribution import layouts
 from keras_torch_distribution import optimizer_update
@@ -72,6 +73,9 @@ def _patch_table():
         Patch(k.TorchVariable, "_maybe_autocast", variables.value_for_use, wrap=True),
         Patch(k.TorchVariable, "__array__", variables.to_numpy, wrap=True),
         Patch(k.TorchVariable, "__repr__", variables.describe, wrap=True),
+        # Under FSDP, einsum keeps its operands for backward (gathered
+        # kernels are then regathered), not copies of them.
+        Patch(k.torch_numpy_module, "einsum", einsum_grad.einsum, wrap=True),
         Patch(k.keras_backend_module, "convert_to_numpy", tensors.to_numpy, wrap=True),
         # In-place writes that meet DTensors (keras_hub's KV cache, samplers,
         # BatchNormalization's scaling by sharded parameters).

@@ -16,6 +16,7 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common import name_scope
 from keras.src.backend.torch import core as torch_core
 from keras.src.backend.torch import nn as torch_nn
+from keras.src.backend.torch import numpy as torch_numpy
 from keras.src.backend.torch import random as torch_random
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.initializers import constant_initializers
@@ -290,6 +291,7 @@ keras_backend_module = keras_backend
 keras_distribution_module = keras_distribution_lib
 torch_nn_module = torch_nn
 torch_core_module = torch_core
+torch_numpy_module = torch_numpy
 Distribution = keras_distribution_lib.Distribution
 KERAS_FILE_STORES = (saving_lib.H5IOStore, saving_lib.ShardedH5IOStore, saving_lib.NpzIOStore)
 torch_random_module = torch_random

@@ -1,5 +1,9 @@
 """Shard report: where every variable lives and what each rank holds.
 
+Large variables that the layout map leaves whole on every rank while it
+shards others (`whole_variables`) are marked "WHOLE", with the LayoutMap
+key that would shard them.
+
 What `ktd report CHECKPOINT` prints for a checkpoint on disk lives with the
 checkpoint package (`checkpoint.inspect`); its two functions are importable
 from here too.
@@ -10,6 +14,7 @@ import torch.distributed as dist
 from keras_torch_distribution import _keras
 from keras_torch_distribution import runtime
 from keras_torch_distribution import tensors
+from keras_torch_distribution import whole_variables
 from keras_torch_distribution.checkpoint.inspect import checkpoint_table  # noqa: F401
 from keras_torch_distribution.checkpoint.inspect import format_checkpoint_table  # noqa: F401
 from keras_torch_distribution.log import logger
@@ -32,7 +37,20 @@ def _rows_for(variable):
 def shard_table(model):
     """Per-variable rows for this rank: path, global shape, layout, local
     shape and bytes; optimizer variables are included when built."""
-    rows = [dict(_rows_for(v), kind="param") for v in model.variables]
+    whole = {
+        id(entry["variable"]): entry
+        for entry in whole_variables.left_whole(
+            model.variables, _keras.current_distribution()
+        )
+    }
+    rows = []
+    for v in model.variables:
+        row = dict(_rows_for(v), kind="param")
+        if id(v) in whole:
+            entry = whole[id(v)]
+            row["left_whole"] = {"key": entry["key"], "axes": entry["axes"],
+                                 "share": entry["share"]}
+        rows.append(row)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and getattr(optimizer, "built", False):
         rows += [dict(_rows_for(v), kind="optimizer") for v in optimizer.variables]
@@ -65,9 +83,10 @@ def format_report(tables):
         shapes = " ".join(
             f"{str(tables[r][index]['local_shape']):>16}" for r in range(ranks)
         )
+        mark = "  WHOLE" if row.get("left_whole") else ""
         lines.append(
             f"{row['path'][:40]:40} {str(row['shape']):>16} "
-            f"{str(row['layout'])[:18]:>18} {shapes}"
+            f"{str(row['layout'])[:18]:>18} {shapes}{mark}"
         )
     for kind in ("param", "optimizer"):
         totals = [
@@ -78,5 +97,14 @@ def format_report(tables):
             lines.append(
                 f"{kind + ' bytes per rank':40} "
                 + " ".join(f"rank {r}: {t:,}" for r, t in enumerate(totals))
+            )
+    for row in tables[0]:
+        whole = row.get("left_whole")
+        if whole:
+            lines.append(
+                f"WHOLE: {row['path']} is whole on every rank "
+                f"({row['bytes']:,} bytes, {100 * whole['share']:.1f}% of the "
+                "model's variables) while the layout map shards others; "
+                f"layout_map[{whole['key']!r}] = {whole['axes']} would shard it"
             )
     return "\n".join(lines)

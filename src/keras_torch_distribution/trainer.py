@@ -29,6 +29,7 @@ from keras_torch_distribution import stopping
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
 from keras_torch_distribution import variables as ktd_variables
+from keras_torch_distribution import whole_variables
 
 class OptimizerSync:
     """What gradient synchronisation keeps between and within steps."""
@@ -227,13 +228,14 @@ def _with_last(callbacks, callback, model):
 def quiet_on_other_ranks(original, model, *args, **kwargs):
     """fit / evaluate / predict print progress, and file-writing callbacks
     write, on rank 0 only. Variables created before the distribution was
-    set, that it would shard, get one warning each. Ranks that disagree on
-    the call (model, distribution, input sizes) raise, naming the
-    difference. Collective: call on every rank."""
+    set, that it would shard, get one warning each, and so do large
+    variables the layout map leaves whole (`whole_variables`). Ranks that
+    disagree on the call (model, distribution, input sizes) raise, naming
+    the difference. Collective: call on every rank."""
     agreement.check(original.__name__, model, args, kwargs)
-    variables.warn_if_created_outside(
-        model.variables, _keras.current_distribution()
-    )
+    distribution = _keras.current_distribution()
+    variables.warn_if_created_outside(model.variables, distribution)
+    whole_variables.warn_if_left_whole(model.variables, distribution)
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
         kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))

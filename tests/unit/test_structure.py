@@ -39,7 +39,9 @@ LAYERS = [
     "sharding_rules",
     "sharded_init",
     "fsdp",
+    "einsum_grad",  # einsum that saves its operands (FSDP regathers them)
     "variables",
+    "whole_variables",  # what a layout map leaves whole
     "data",
     "random_slices",
     "sync_batch_norm",

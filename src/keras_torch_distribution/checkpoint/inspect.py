@@ -5,13 +5,21 @@ Reading goes through the same restricted metadata reader as `load`, and
 every file is verified against the size and CRC-32 its writer recorded, so
 a damaged checkpoint is reported as damaged (DamagedCheckpointError listing
 every damaged file and the rank that wrote it), never shown as healthy.
+
+A model variable written whole (one block) by a checkpoint of several
+processes, above `whole_variables.SHARE` of the model's bytes, is marked
+WHOLE: every rank held it whole (see `whole_variables`).
 """
 
 import os
 
+import torch
+
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
+from keras_torch_distribution import whole_variables
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
+from keras_torch_distribution.checkpoint._keys import MODEL_PREFIX
 
 
 def verify(path):
@@ -60,7 +68,34 @@ def checkpoint_table(path):
             "blocks": blocks,
             "verified": verified,
         })
+    _mark_whole(rows, marker.get("num_processes", 1))
     return rows
+
+
+def _mark_whole(rows, num_processes):
+    """Set row["whole"] for large model variables written as one block by
+    a checkpoint of several processes (held whole on every rank)."""
+    model_rows = [r for r in rows if r["key"].startswith(MODEL_PREFIX)]
+    sizes = {
+        r["key"]: whole_variables.global_bytes(r["shape"], getattr(torch, r["dtype"]))
+        for r in model_rows
+    }
+    total = sum(sizes.values())
+    for row in model_rows:
+        blocks = row["blocks"]
+        one_block = len(blocks) == 1 and tuple(blocks[0]["shape"]) == tuple(row["shape"])
+        axes = whole_variables.suggested_axes(row["shape"], {"batch": num_processes}, "batch")
+        if (
+            num_processes > 1
+            and one_block
+            and axes is not None
+            and sizes[row["key"]] > whole_variables.SHARE * total
+        ):
+            row["whole"] = {
+                "share": sizes[row["key"]] / total,
+                "key": whole_variables.layout_map_key(row["key"][len(MODEL_PREFIX):]),
+                "axes": axes,
+            }
 
 
 def format_checkpoint_table(rows):
@@ -71,13 +106,23 @@ def format_checkpoint_table(rows):
         blocks = "; ".join(
             f"{b['rank']}: {b['offsets']}+{b['shape']}" for b in row["blocks"]
         )
-        lines.append(f"{row['key'][:44]:44} {str(row['shape']):>16} {row['dtype']:>9}  {blocks}")
+        mark = "  WHOLE" if row.get("whole") else ""
+        lines.append(f"{row['key'][:44]:44} {str(row['shape']):>16} {row['dtype']:>9}  {blocks}{mark}")
         for b in row["blocks"]:
             totals[b["rank"]] = totals.get(b["rank"], 0) + (b["bytes"] or 0)
     lines.append(
         "bytes written per rank: "
         + ", ".join(f"rank {r}: {n:,}" for r, n in sorted(totals.items(), key=lambda kv: str(kv[0])))
     )
+    for row in rows:
+        whole = row.get("whole")
+        if whole:
+            lines.append(
+                f"WHOLE: {row['key']} was whole on every rank "
+                f"({100 * whole['share']:.1f}% of the model's bytes); a LayoutMap "
+                f"key would shard it, e.g. layout_map[{whole['key']!r}] = "
+                f"{whole['axes']} (the batch axis named as in your mesh)"
+            )
     if rows and all(row.get("verified") for row in rows):
         lines.append("intact: every file has the size and CRC-32 its writer recorded")
     elif rows:
