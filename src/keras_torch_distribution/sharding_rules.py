@@ -1,30 +1,25 @@
-"""DTensor sharding rules for the ops Keras layers use with sharded weights,
-where torch has none or one that does not fit (tested on torch 2.13 and
-2.15).
+"""DTensor sharding rules that torch 2.13 lacks or gets wrong, for the ops
+Keras layers use with sharded weights.
 
-- `aten.convolution` / `aten.convolution_backward`, always ours: torch's
-  rules ignore how the kernel is sharded (2.13: the output of an
-  output-channel-sharded kernel comes back labelled Replicate while holding
-  only the local channels) or accept only a replicated kernel and then fail
-  on the `bias_sizes=[0]` of Keras' bias-less convolution (2.15's single-dim
-  strategy: "strategy position 2 mixes None with placements"). Ours shard
-  the output on channels for a kernel sharded on output channels, give a
-  partial sum for one sharded on input channels, and shard on the batch.
-- Attention, only where torch has no rule
-  (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward on
-  CPU; torch derived one by tracing the op's decomposition, on every new
-  shape, and under torch.compile's fake tensors for minutes): attention
-  sharded on heads (or batch) keeps that sharding, masks and biases
-  included. For the CUDA kernels (`_scaled_dot_product_{flash,efficient,
-  cudnn}_attention`) torch's own rules are used.
+- `aten.convolution` / `aten.convolution_backward`: torch's rule ignores how
+  the weight is sharded (the output of an output-channel-sharded kernel comes
+  back labelled Replicate while holding only the local channels). These rules
+  shard the output on channels for a kernel sharded on output channels, give
+  a partial sum for one sharded on input channels, and shard on the batch.
+- Attention: `aten._scaled_dot_product_flash_attention_for_cpu` (CPU) and
+  the CUDA `_scaled_dot_product_{flash,efficient,cudnn}_attention`, with
+  their `_backward`s: attention sharded on heads (or batch) keeps that
+  sharding, masks and biases included (torch has no CPU rule: DTensor
+  derived one by tracing the op's decomposition, on every new shape, and
+  under torch.compile's fake tensors for minutes; its cuDNN rule leaves the
+  bias out of the sharded strategies, `input_specs != strategies`).
 
-Registered once with torch's public `register_sharding` by `install()`
-(which also takes torch's single-dim strategy for the op out of the way:
-DTensor consults it first), and taken out again by `uninstall()`, which
-puts back what torch had (its own rules and handlers). For convolution
-registering also takes out torch's own convolution handler (a halo
-exchange for inputs sharded on their width, which no Keras layout
-produces), which would otherwise bypass sharding rules altogether.
+Registered once with torch's public `register_sharding` by `install()`, and
+taken out again by `uninstall()`, which puts back what torch had (its own
+rules and handlers). For convolution registering also takes out torch's own
+convolution handler (a halo exchange for inputs sharded on their width,
+which no Keras layout produces), which would otherwise bypass sharding
+rules altogether.
 """
 
 from torch.distributed.tensor import Partial
@@ -261,11 +256,6 @@ class Registration:
         self.strategies = {}  # op -> torch's strategy function, or None
         self.schema_infos = {}  # op -> torch's RuntimeSchemaInfo, or None
         self.handlers = {}  # op -> torch's custom op handler, or None
-        # torch >= 2.13: op -> torch's single-dim strategy (and its schema
-        # info), which DTensor consults before any strategy function.
-        self.single_dim_strategies = {}
-        self.single_dim_schema_infos = {}
-        self.ops = []  # the ops that have our rules
 
     def clear(self):
         unregister()
@@ -285,56 +275,23 @@ def _dispatcher_tables():
     return DTensor._op_dispatcher.sharding_propagator, handlers
 
 
-_CONVOLUTIONS = (aten.convolution.default, aten.convolution_backward.default)
-
-
-def _single_dim_tables(propagator):
-    """DTensor's single-dim strategy tables (torch >= 2.13), or empty dicts."""
-    return (
-        getattr(propagator, "op_single_dim_strategy_funcs", {}),
-        getattr(propagator, "op_to_schema_info_for_single_dim_strategy", {}),
-    )
-
-
-def torch_has_rule(op):
-    """True when DTensor has a sharding strategy of its own for `op`."""
-    propagator, _ = _dispatcher_tables()
-    single_dim, _ = _single_dim_tables(propagator)
-    return op in propagator.op_strategy_funcs or op in single_dim
-
-
-def ops_to_register():
-    """The ops that get our rules: the convolutions always (torch's rules,
-    2.13 to 2.15, either mislabel a kernel sharded on channels or only take
-    a replicated kernel, and torch 2.15's single-dim rule fails on the
-    `bias_sizes=[0]` Keras' bias-less convolution passes), and the attention
-    ops torch has no rule for (the CPU flash attention; on torch 2.13 and
-    2.15 torch has its own for the CUDA kernels, which we defer to)."""
-    return list(_CONVOLUTIONS) + [op for op in _attention_ops() if not torch_has_rule(op)]
-
-
 def register():
     """Register the rules with DTensor (once per process until `unregister`)."""
     if registration.active:
         return
     propagator, handlers = _dispatcher_tables()
-    single_dim, single_dim_infos = _single_dim_tables(propagator)
-    ops = ops_to_register()
-    for op in ops:
+    convolutions = (aten.convolution.default, aten.convolution_backward.default)
+    for op in (*convolutions, *_attention_ops()):
         registration.strategies[op] = propagator.op_strategy_funcs.get(op)
         registration.schema_infos[op] = propagator.op_to_schema_info.get(op)
-        registration.single_dim_strategies[op] = single_dim.pop(op, None)
-        registration.single_dim_schema_infos[op] = single_dim_infos.pop(op, None)
-    for op in _CONVOLUTIONS:
+    for op in convolutions:
         registration.handlers[op] = handlers.pop(op, None)
     register_sharding(aten.convolution.default)(_conv_forward)
     register_sharding(aten.convolution_backward.default)(_conv_backward)
-    for op in ops:
-        if op not in _CONVOLUTIONS:
-            register_sharding(op)(_attention_rule(op))
-            _cache_by_kwarg_tensors(op)
+    for op in _attention_ops():
+        register_sharding(op)(_attention_rule(op))
+        _cache_by_kwarg_tensors(op)
     propagator.propagate_op_sharding.cache_clear()
-    registration.ops = ops
     registration.active = True
 
 
@@ -344,13 +301,10 @@ def unregister():
     if not registration.active:
         return
     propagator, handlers = _dispatcher_tables()
-    single_dim, single_dim_infos = _single_dim_tables(propagator)
     for table, saved in (
         (propagator.op_strategy_funcs, registration.strategies),
         (propagator.op_to_schema_info, registration.schema_infos),
         (handlers, registration.handlers),
-        (single_dim, registration.single_dim_strategies),
-        (single_dim_infos, registration.single_dim_schema_infos),
     ):
         for op, previous in saved.items():
             if previous is None:
@@ -359,5 +313,4 @@ def unregister():
                 table[op] = previous
         saved.clear()
     propagator.propagate_op_sharding.cache_clear()
-    registration.ops = []
     registration.active = False

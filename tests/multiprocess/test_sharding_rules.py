@@ -107,15 +107,8 @@ def test_a_kwarg_mask_keeps_its_placement():
 
 def test_rules_are_registered_and_cached_by_mask():
     propagator = DTensor._op_dispatcher.sharding_propagator
-    ours = sharding_rules.registration.ops
-    cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    assert cpu_attention in ours and torch.ops.aten.convolution.default in ours
-    single_dim = getattr(propagator, "op_single_dim_strategy_funcs", {})
-    for op in sharding_rules._attention_ops() + ours:
-        # Ours, or torch's own (the CUDA kernels: torch has rules for them).
-        assert op in propagator.op_strategy_funcs or op in single_dim, op
-    for op in ours:
-        assert op not in single_dim, op  # DTensor would consult it first
+    for op in sharding_rules._attention_ops():
+        assert op in propagator.op_strategy_funcs, op
     info = propagator.op_to_schema_info[
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     ]
