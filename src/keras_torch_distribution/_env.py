@@ -11,6 +11,12 @@ variable, the value and what is accepted:
 - KTD_LOG_LEVEL: the package logger's level (a `logging` level name);
   default WARNING.
 - KTD_LOG_ALL_RANKS: "1" lets every rank log, not only rank 0.
+- KTD_FSDP_GROUP: what one FSDP gather covers: "block" (default) the
+  outermost layers below the models (a keras_hub decoder block, a Dense of
+  a Sequential), "layer" each layer's own variables.
+- KTD_FSDP_PREFETCH: how many FSDP groups' gathers may be in flight ahead
+  of the one in use, in forward and in backward; 0 turns prefetch off;
+  default 1.
 
 Imports nothing from the package, so every module may use it.
 """
@@ -72,3 +78,35 @@ def log_level():
 def log_all_ranks():
     """True when KTD_LOG_ALL_RANKS=1 lets every rank log."""
     return os.environ.get("KTD_LOG_ALL_RANKS") == "1"
+
+
+FSDP_GROUPS = ("block", "layer")
+
+
+def fsdp_group():
+    """KTD_FSDP_GROUP: "block" (default) or "layer"."""
+    text = os.environ.get("KTD_FSDP_GROUP", "block")
+    if text.lower() not in FSDP_GROUPS:
+        raise ValueError(
+            f"KTD_FSDP_GROUP={text!r} is not an FSDP group policy: set block "
+            "(one gather per outermost layer below the models, e.g. a decoder "
+            "block; the default) or layer (one per layer's own variables), or "
+            "unset it."
+        )
+    return text.lower()
+
+
+def fsdp_prefetch():
+    """KTD_FSDP_PREFETCH as an int >= 0 (default 1)."""
+    text = os.environ.get("KTD_FSDP_PREFETCH", "1")
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"KTD_FSDP_PREFETCH={text!r} is not a count of FSDP groups: set "
+            "an integer >= 0 (how many groups' gathers may be in flight ahead "
+            "of the one in use; 0 turns prefetch off; default 1), or unset it."
+        )
+    return value

@@ -16,7 +16,9 @@ from keras_torch_distribution import checkpoint
 from keras_torch_distribution import compiled
 from keras_torch_distribution import data
 from keras_torch_distribution import distribution_lib
+from keras_torch_distribution import flat_shards
 from keras_torch_distribution import fsdp
+from keras_torch_distribution import fsdp_groups
 from keras_torch_distribution import layouts
 from keras_torch_distribution import optimizer_update
 from keras_torch_distribution import random_slices
@@ -203,6 +205,8 @@ def _state_objects():
         compiled.compiled_forwards,
         boundary.active_forward,
         fsdp.state,
+        fsdp_groups.state,
+        flat_shards.streams,
         replica_start.equalized,
         replicas.batch_weight,
         replicas.cache,

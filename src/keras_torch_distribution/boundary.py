@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import fsdp
+from keras_torch_distribution import fsdp_groups
 from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
@@ -51,8 +52,13 @@ def layer_call(original, layer, *args, **kwargs):
         if active_forward.model is layer and not torch.compiler.is_compiling():
             return active_forward.forward(original, layer, *args, **kwargs)
         if fsdp.plans_exist():
-            with fsdp.regathering_in_backward():
+            with fsdp.regathering_in_backward(), fsdp_groups.forward_scope(
+                layer
+            ), fsdp_groups.group_scope(layer):
                 return convert_outputs(original, layer, outermost, *args, **kwargs)
+    elif fsdp.plans_exist() and not torch.compiler.is_compiling():
+        with fsdp_groups.group_scope(layer):
+            return convert_outputs(original, layer, outermost, *args, **kwargs)
     return convert_outputs(original, layer, outermost, *args, **kwargs)
 
 
