@@ -42,7 +42,7 @@ _KIND_OF = {name: kind for kind, names in KINDS.items() for name in names}
 
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-_NOT_COUNTED = ("wait_tensor", "wait", "barrier", "monitored_barrier")
+_NOT_COUNTED = ("wait_tensor", "wait", "barrier", "monitored_barrier", "_wrap_tensor_autograd")
 
 
 class _Counter(TorchDispatchMode):
