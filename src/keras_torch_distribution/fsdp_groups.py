@@ -294,7 +294,7 @@ class _ForwardOrder:
         self.prefetch = prefetch
         self.policy = policy
         self.seen = []
-        self.matching = bool(recorded) and prefetch > 0
+        self.matching = bool(recorded)
         self.pending = {}  # position -> (spec, flats) in flight
 
     def take(self, layer, spec):
