@@ -172,17 +172,19 @@ class _Regatherer:
     What a token is gathered from is its source: a group's flat gather
     (`fsdp_groups`, one collective for the whole group, kept until the
     group's gradients are reduce-scattered) or one variable's DTensor
-    redistribute (`_VariableSource`). Sources are kept in the order of
-    the forward; when backward regathers one, the regathers of the sources
-    before it (backward's next) are started too, up to KTD_FSDP_PREFETCH
-    in flight."""
+    redistribute (`_VariableSource`). Sources that backward will gather
+    again (a token was packed) are kept in the order of the forward; when
+    backward regathers one, the regathers of the sources before it
+    (backward's next) are started too, up to KTD_FSDP_PREFETCH in
+    flight."""
 
     def __init__(self, prefetch):
         self.prefetch = prefetch
         # storage data_ptr of a gathered local tensor ->
         #   (weakref to it, its storage offset, source, key for the source)
         self.gathered = {}
-        self.sources = []  # in the order of their first registered view
+        # The sources of the tokens packed, in the order of their first.
+        self.sources = []
         self.position = {}  # id(source) -> its index in `sources`
 
     def register(self, view, source, key=None):
@@ -195,9 +197,6 @@ class _Regatherer:
             source,
             key,
         )
-        if id(source) not in self.position:
-            self.position[id(source)] = len(self.sources)
-            self.sources.append(source)
 
     def pack(self, tensor):
         local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
@@ -207,6 +206,9 @@ class _Regatherer:
         if entry is None or entry[0]() is None:
             return tensor
         _, base_offset, source, key = entry
+        if id(source) not in self.position:  # backward will regather it
+            self.position[id(source)] = len(self.sources)
+            self.sources.append(source)
         is_dtensor = isinstance(tensor, DTensor)
         return _Token(
             self,
