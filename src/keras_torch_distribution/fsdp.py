@@ -21,11 +21,18 @@ trainer leaves it alone. Outside layer calls (the optimizer, saving, user
 code) a variable is its stored sharded DTensor, whose global value is the
 model's.
 
+Inside a layer call that is an FSDP group (`fsdp_groups`), variables are
+not gathered one by one: the group's variables come from one flat
+all-gather, their gradients go back in one flat reduce-scatter. The
+per-variable path here serves the rest (variables read outside a group,
+dims sharded on two axes, the compiled forward).
+
 Gathered weights are not kept for backward: while a training forward runs
 (`regathering_in_backward`), tensors that autograd saves which are views of a
 gathered weight are replaced by a token, and gathered again when backward
-needs them, so the peak is the shards plus the layers in use, as FSDP2's
-reshard-after-forward gives.
+needs them (a whole group at once, the next group prefetched), so the peak
+is the shards plus the groups in use, as FSDP2's reshard-after-forward
+gives.
 """
 
 import contextlib
