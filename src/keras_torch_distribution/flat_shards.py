@@ -150,6 +150,8 @@ class FlatGather:
             self.work = dist.all_gather_into_tensor(
                 self.output, self.input, group=group, async_op=True
             )
+        # The collective's work keeps its input alive until it completes.
+        self.input = None
 
     def wait(self):
         """Complete the collective (the current stream waits for it)."""
@@ -160,7 +162,6 @@ class FlatGather:
                 current = torch.cuda.current_stream(self.output.device)
                 current.wait_stream(self.stream)
                 self.output.record_stream(current)
-            self.input = None
 
     def take(self):
         """The whole tensors; the flat buffers are let go."""

@@ -238,7 +238,9 @@ class _Regatherer:
         """The local tensor `source` gathers for `key`, its regather started
         now if need be, with the next sources' regathers prefetched.
         Collective: call on every rank."""
-        source.start_regather()
+        # Copied out before the next regather starts, so that one group's
+        # flat buffer at most is alive beside the group in use.
+        regathered = source.regathered(key)
         position = self.position.get(id(source))
         if position is not None and self.prefetch:
             in_flight = 0
@@ -250,7 +252,7 @@ class _Regatherer:
                 elif earlier.prefetchable():
                     earlier.start_regather()
                     in_flight += 1
-        return source.regathered(key)
+        return regathered
 
 
 class _VariableSource:

@@ -263,7 +263,7 @@ class _GroupCall:
         if flats is None:
             flats = self.spec.start_gathers()
         if forward is not None:
-            self.keep = forward.advance(self.layer)
+            self.keep = forward.is_last(self.layer)
         regatherer = None if self.keep else fsdp.state.regatherer
         grad = torch.is_grad_enabled()
         self.values = {}
@@ -282,6 +282,10 @@ class _GroupCall:
                 self.values[(b, m)] = value
                 if regatherer is not None and local.requires_grad:
                     regatherer.register(value, source, (m, None))
+        if forward is not None:
+            # After this group's copy-out, so that its flat buffer is gone
+            # before the next group's is made.
+            forward.advance(self.layer)
 
 
 class _ForwardOrder:
@@ -314,14 +318,23 @@ class _ForwardOrder:
             return None
         return entry[1]
 
+    def is_last(self, layer):
+        """True when `layer`, gathering now, is the last group of the
+        recorded order (its gathered weights are kept for backward)."""
+        position = len(self.seen)
+        return (
+            self.matching
+            and position == len(self.recorded) - 1
+            and self.recorded[position]() is layer
+        )
+
     def advance(self, layer):
-        """Note `layer`'s gather; start the next groups' gathers. True when
-        it is the last group of the recorded order. Collective: call on
-        every rank."""
+        """Note `layer`'s gather; start the next groups' gathers.
+        Collective: call on every rank."""
         position = len(self.seen)
         self.seen.append(weakref.ref(layer))
         if not self.matching:
-            return False
+            return
         last = min(position + self.prefetch, len(self.recorded) - 1)
         for ahead in range(position + 1, last + 1):
             if ahead in self.pending:
@@ -331,9 +344,8 @@ class _ForwardOrder:
             if spec is None:
                 self.matching = False
                 self.drain()
-                return False
+                return
             self.pending[ahead] = (spec, spec.start_gathers())
-        return position == len(self.recorded) - 1
 
     def drain(self):
         """Complete the gathers started ahead and never used."""
