@@ -16,7 +16,7 @@ variable, the value and what is accepted:
   a Sequential), "layer" each layer's own variables.
 - KTD_FSDP_PREFETCH: how many FSDP groups' gathers may be in flight ahead
   of the one in use, in forward and in backward; 0 turns prefetch off;
-  default 1.
+  default 1 on CUDA, 0 on CPU (the caller's default).
 
 Imports nothing from the package, so every module may use it.
 """
@@ -96,9 +96,11 @@ def fsdp_group():
     return text.lower()
 
 
-def fsdp_prefetch():
-    """KTD_FSDP_PREFETCH as an int >= 0 (default 1)."""
-    text = os.environ.get("KTD_FSDP_PREFETCH", "1")
+def fsdp_prefetch(default):
+    """KTD_FSDP_PREFETCH as an int >= 0; `default` when it is unset."""
+    text = os.environ.get("KTD_FSDP_PREFETCH")
+    if text is None:
+        return default
     try:
         value = int(text)
     except ValueError:
@@ -107,6 +109,7 @@ def fsdp_prefetch():
         raise ValueError(
             f"KTD_FSDP_PREFETCH={text!r} is not a count of FSDP groups: set "
             "an integer >= 0 (how many groups' gathers may be in flight ahead "
-            "of the one in use; 0 turns prefetch off; default 1), or unset it."
+            "of the one in use; 0 turns prefetch off), or unset it (1 on "
+            "CUDA, 0 on CPU)."
         )
     return value

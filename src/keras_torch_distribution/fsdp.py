@@ -47,6 +47,7 @@ from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import _env
 from keras_torch_distribution import replicas
+from keras_torch_distribution import runtime
 from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
 
@@ -307,6 +308,15 @@ class _Token:
         )
 
 
+def prefetch_depth():
+    """How many FSDP groups may be gathered ahead of the one in use
+    (KTD_FSDP_PREFETCH). By default 1 on CUDA, where a gather on its own
+    stream overlaps compute; 0 on CPU, where gloo's collective threads
+    share the cores with compute, so that a prefetched group costs its
+    memory and overlaps nothing measurable."""
+    return _env.fsdp_prefetch(default=1 if runtime.uses_cuda() else 0)
+
+
 @contextlib.contextmanager
 def regathering_in_backward():
     """Within the block (a training forward), saved views of gathered
@@ -314,7 +324,7 @@ def regathering_in_backward():
     if state.regatherer is not None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         yield
         return
-    regatherer = _Regatherer(_env.fsdp_prefetch())
+    regatherer = _Regatherer(prefetch_depth())
     state.regatherer = regatherer
     try:
         with torch.autograd.graph.saved_tensors_hooks(regatherer.pack, regatherer.unpack):

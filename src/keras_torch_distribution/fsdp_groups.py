@@ -12,7 +12,8 @@ the output projection of an attention layer apart).
 Per call of a group, on the first read of one of its variables:
   forward   one flat all-gather (`flat_shards.FlatGather`) of the group's
             shards; each variable's value is copied out of it. The gathers
-            of the next KTD_FSDP_PREFETCH groups (default 1) of the order
+            of the next KTD_FSDP_PREFETCH groups (default 1 on CUDA, 0 on
+            CPU: see `fsdp.prefetch_depth`) of the order
             recorded in the last forward are started before this group
             computes, and waited for just before they are used.
   backward  the regatherer (`fsdp._Regatherer`) gathers the group again,
@@ -363,7 +364,7 @@ def forward_scope(root):
     if state.forward is not None or torch.compiler.is_compiling():
         yield
         return
-    order = _ForwardOrder(state.orders.get(root), _env.fsdp_prefetch(), _env.fsdp_group())
+    order = _ForwardOrder(state.orders.get(root), fsdp.prefetch_depth(), _env.fsdp_group())
     state.forward = order
     try:
         yield
