@@ -24,12 +24,15 @@ LAYERS = [
     "layouts",
     "tensors",
     "collectives",  # the one bucketed flat collective
+    "flat_shards",  # FSDP's flat all-gather / reduce-scatter of a group's shards
+    "collective_counts",  # counting a step's collectives (tests, benchmarks)
     "replicas",
     "distribution_lib",
     "sharding_rules",
     "sharded_init",
     "fsdp",
     "variables",
+    "fsdp_groups",  # FSDP by group, prefetched
     "data",
     "random_slices",
     "sync_batch_norm",
