@@ -32,14 +32,24 @@ MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def _number(name, parse, default):
+    """(text, value) of the variable `name`: (None, `default`) when it is
+    unset; value None when `parse` refuses the text."""
+    text = os.environ.get(name)
+    if text is None:
+        return None, default
+    try:
+        return text, parse(text)
+    except ValueError:
+        return text, None
+
+
 def timeout_seconds():
     """KTD_TIMEOUT_SECONDS as a float, or the default when it is unset."""
-    text = os.environ.get("KTD_TIMEOUT_SECONDS")
+    text, value = _number("KTD_TIMEOUT_SECONDS", float, DEFAULT_TIMEOUT_SECONDS)
     if text is None:
-        return DEFAULT_TIMEOUT_SECONDS
-    try:
-        value = float(text)
-    except ValueError:
+        return value
+    if value is None:
         value = math.nan
     if not 0 < value <= MAX_TIMEOUT_SECONDS:  # also refuses nan and inf
         raise ValueError(
@@ -98,14 +108,10 @@ def fsdp_group():
 
 def fsdp_prefetch(default):
     """KTD_FSDP_PREFETCH as an int >= 0; `default` when it is unset."""
-    text = os.environ.get("KTD_FSDP_PREFETCH")
+    text, value = _number("KTD_FSDP_PREFETCH", int, default)
     if text is None:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+        return value
+    if value is None or value < 0:
         raise ValueError(
             f"KTD_FSDP_PREFETCH={text!r} is not a count of FSDP groups: set "
             "an integer >= 0 (how many groups' gathers may be in flight ahead "
