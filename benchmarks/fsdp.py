@@ -2,7 +2,8 @@
 
     python benchmarks/fsdp.py [--steps 20] [--warmup 3] [--repeats 1]
                               [--memory-steps 3] [--memory-rounds 1]
-                              [--models mlp,block,2x2] [--profile torch|cprofile]
+                              [--models mlp,block,2x2,llama]
+                              [--profile torch|cprofile]
 
 Cases (fresh torchrun processes each, gloo, CPU, OMP_NUM_THREADS=1), every
 process computing on its own rows of the global batch:
@@ -30,6 +31,16 @@ process computing on its own rows of the global batch:
                         parallelize_module (Colwise 0, 2 / Rowwise 1, 3) on
                         the tp sub-mesh, then `fully_shard` on each nn.Linear
                         and the root on the dp sub-mesh (torchtitan's order).
+  keras_fsdp_llama  x2  keras_hub LlamaCausalLM, tiny config (llama_shapes.py:
+                        vocabulary 2048, hidden 128, 4 decoder blocks, 4
+                        query / 2 key-value heads, feed-forward 384; 64
+                        tokens, global batch 8, 4 rows per rank), under its
+                        own LlamaBackbone.get_layout_map on a (2, 1)
+                        ("batch", "model") mesh: the map's batch-axis dims
+                        FSDP; Adam(1e-3), sparse cross-entropy from logits.
+  torch_fsdp2_llama x2  a torch model of the same shapes, `fully_shard` on
+                        each decoder block and on the root (embedding,
+                        final norm, output projection), torch.optim.Adam.
 The block and the MLP are compile.py's definitions (imported, not copied).
 Torch Linear weights are Glorot-uniform with zero biases, as Keras' Dense
 (only so that the final losses can be compared for sanity).
@@ -44,7 +55,11 @@ Every case is launched in two kinds of fresh processes; per rank:
       of parameters and optimizer state (Keras: all optimizer.variables;
       torch: Adam's exp_avg, exp_avg_sq, step), and the final loss: that of
       one more step on the global batch (Keras: metrics reset first, so not
-      the epoch's running mean; torch: the ranks' losses averaged).
+      the epoch's running mean; torch: the ranks' losses averaged). And
+      the collectives the rank issues in one more step, by kind
+      (keras_torch_distribution.collective_counts: all-gathers,
+      reduce-scatters, all-reduces, whatever issues them: FSDP, tensor
+      parallelism, gradient and metric sync).
   memory launches (MALLOC_MMAP_THRESHOLD_=1048576: every allocation
       >= 1 MiB is its own mmap, returned on free, so RSS follows live
       tensors): `warmup` steps, then `memory-steps` steps with a thread
@@ -59,8 +74,8 @@ Every case is launched in two kinds of fresh processes; per rank:
 `--repeats` rounds of timing launches, every case once per round,
 interleaved; `--memory-rounds` (in the first rounds) of memory launches. A
 launch's figure is the worse rank's, a case's the median over rounds.
-Ratios are keras / torch. Targets (issue 11): step time <= 1.2x, peak
-memory within 10% of FSDP2's. `--profile`: 5 more steps after the timed
+Ratios are keras / torch. Targets (issue 18): collectives per step at
+most FSDP2's, step time and peak memory at most 1.05x FSDP2's. `--profile`: 5 more steps after the timed
 ones under torch.profiler or cProfile, rank 0's table written to
 results/fsdp_profile_<case>_<how>.txt.
 Results: benchmarks/results/fsdp.json.
@@ -75,21 +90,24 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _launch  # noqa: E402
 import compile as compile_benchmark  # noqa: E402  (the models)
+import llama_shapes  # noqa: E402
 from creation_memory import PeakSampler  # noqa: E402
 
-MODELS = {"mlp": 2, "block": 2, "2x2": 4}  # model -> processes
+MODELS = {"mlp": 2, "block": 2, "2x2": 4, "llama": 2}  # model -> processes
 # Timing runs under glibc's default allocator (what users get); memory under
 # a fixed 1 MiB mmap threshold, so that RSS follows live tensors. (The
 # threshold makes every large allocation a fresh mmap: an allocating 4 MiB
 # multiply costs ~10 ms instead of ~1 ms here, which would time page faults.)
 PHASE_ENV = {"time": {}, "memory": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
-STEP_TARGET, MEMORY_TARGET = 1.2, 1.1
+STEP_TARGET, MEMORY_TARGET = 1.05, 1.05
 KEYS = (("time", "step_ms"), ("time", "cpu_ms"), ("time", "state_mib"),
         ("memory", "peak_mib"), ("memory", "hwm_mib"),
         ("memory", "step_ms_mmap_allocator"))
 
 
 def _global_arrays(model_kind):
+    if model_kind == "llama":
+        return llama_shapes.arrays()
     c = compile_benchmark
     if model_kind == "block":
         shape = (c.BLOCK_BATCH, c.SEQ, c.DMODEL)
@@ -130,10 +148,13 @@ def _reset_vm_hwm():
 
 
 def _measure(step, barrier, phase, steps, warmup, memory_steps):
-    """phase "time": wall and CPU time of `steps` steps after `warmup`;
-    phase "memory": the peak RSS of `memory_steps` steps after `warmup`
-    (and their wall time, under the memory phase's allocator)."""
+    """phase "time": wall and CPU time of `steps` steps after `warmup`,
+    then the collectives of one more step; phase "memory": the peak RSS of
+    `memory_steps` steps after `warmup` (and their wall time, under the
+    memory phase's allocator)."""
     import time
+
+    from keras_torch_distribution import collective_counts
 
     _launch.time_steps(step, warmup, 0, barrier)
     if phase == "time":
@@ -142,6 +163,9 @@ def _measure(step, barrier, phase, steps, warmup, memory_steps):
         # This process's CPU time (all its threads) per step: less moved by
         # other work on the machine than wall time, which also counts waiting.
         result["cpu_ms_per_step"] = 1e3 * (time.process_time() - cpu_started) / steps
+        with collective_counts.counting() as counts:
+            step()
+        result["collectives_per_step"] = counts
         if os.environ.get("BENCH_PROFILE"):
             _profile(step, barrier, os.environ["BENCH_PROFILE"])
         return result
@@ -227,7 +251,15 @@ def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
     keras.distribution.initialize()
     rank, world = dist.get_rank(), dist.get_world_size()
     devices = keras.distribution.list_devices()
-    if model_kind == "2x2":
+    if model_kind == "llama":
+        import keras_hub
+
+        replicas, replica = world, rank
+        mesh = keras.distribution.DeviceMesh((world, 1), ["batch", "model"], devices)
+        distribution = keras.distribution.ModelParallel(
+            layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
+            batch_dim_name="batch")
+    elif model_kind == "2x2":
         replicas = 2
         mesh = keras.distribution.DeviceMesh(
             (replicas, world // replicas), ["batch", "model"], devices)
@@ -243,18 +275,27 @@ def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
             layout_map=_keras_layout_map(keras, mesh, model_kind))
     keras.distribution.set_distribution(distribution)
     keras.utils.set_random_seed(0)
-    if model_kind == "block":
-        model = compile_benchmark._keras_block(keras)
-    else:
-        model = compile_benchmark._keras_mlp(keras)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     x, y = _global_arrays(model_kind)
+    if model_kind == "llama":
+        model = llama_shapes.keras_causal_lm(keras, keras_hub)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[])
+        x = llama_shapes.keras_inputs(x)
+    else:
+        if model_kind == "block":
+            model = compile_benchmark._keras_block(keras)
+        else:
+            model = compile_benchmark._keras_mlp(keras)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     # One short fit on the global batch (each replica takes its rows)
     # builds the optimizer and installs the step function.
-    model.fit(x, y, batch_size=len(x), epochs=1, steps_per_epoch=1, verbose=0)
+    model.fit(x, y, batch_size=len(y), epochs=1, steps_per_epoch=1, verbose=0)
     model.make_train_function()
     function = model.train_function
-    batch = [(torch.as_tensor(_rows(x, replica, replicas)),
+    batch = [(keras.tree.map_structure(
+                  lambda a: torch.as_tensor(_rows(a, replica, replicas)), x),
               torch.as_tensor(_rows(y, replica, replicas)))]
     result = _measure(lambda: function(batch), dist.barrier, phase, steps,
                       warmup, memory_steps)
@@ -262,7 +303,7 @@ def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
     logs = function(batch)
     result.update(
         rank=rank, keras=keras.__version__, replica=replica, replicas=replicas,
-        rows_per_rank=int(batch[0][0].shape[0]),
+        rows_per_rank=int(batch[0][1].shape[0]),
         param_bytes=sum(_local_bytes(v.value) for v in model.trainable_variables),
         optimizer_state_bytes=sum(_local_bytes(v.value)
                                   for v in model.optimizer.variables),
@@ -289,11 +330,16 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = compile_benchmark._torch_model("block" if model_kind == "block" else "mlp")
+    if model_kind == "llama":
+        model = llama_shapes.torch_causal_lm()
+    else:
+        model = compile_benchmark._torch_model(
+            "block" if model_kind == "block" else "mlp")
     for module in model.modules():  # Keras Dense's init, for the sanity check
         if isinstance(module, nn.Linear):
             nn.init.xavier_uniform_(module.weight)
-            nn.init.zeros_(module.bias)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
     if model_kind == "2x2":
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -307,14 +353,21 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
     else:
         replicas, replica = world, rank
         dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            fully_shard(module, mesh=dp_mesh)
+    if model_kind == "llama":
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh)
+    else:
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = (torch.as_tensor(_rows(a, replica, replicas))
             for a in _global_arrays(model_kind))
-    step = _launch.torch_step(model, optimizer, x, y)
+    if model_kind == "llama":
+        step = _token_step(model, optimizer, x.long(), y.long())
+    else:
+        step = _launch.torch_step(model, optimizer, x, y)
     step()  # as Keras' one fit step: builds Adam's state
     result = _measure(step, dist.barrier, phase, steps, warmup, memory_steps)
     step()
@@ -335,6 +388,22 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
     _launch.write_rank_result(result)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _token_step(model, optimizer, x, y):
+    """A raw-torch causal-LM training step: next-token cross-entropy from
+    logits (Keras' SparseCategoricalCrossentropy(from_logits=True))."""
+    import torch.nn.functional as F
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        step.last_loss = loss
+
+    return step
 
 
 def worker(case):
@@ -360,6 +429,11 @@ def _time_figures(ranks):
                               for r in ranks)),
         "final_loss": ranks[0]["final_loss"],
         "loadavg": [ranks[0]["loadavg_1min_before"], ranks[0]["loadavg_1min_after"]],
+        # The most any rank issued, by kind.
+        "collectives_per_step": {
+            kind: max(r["collectives_per_step"].get(kind, 0) for r in ranks)
+            for kind in sorted({k for r in ranks for k in r["collectives_per_step"]})
+        },
     }
 
 
@@ -385,7 +459,7 @@ def main():
                              "rounds")
     parser.add_argument("--memory-rounds", type=int, default=1,
                         help="memory launches per case, in the first rounds")
-    parser.add_argument("--models", default="mlp,block,2x2",
+    parser.add_argument("--models", default="mlp,block,2x2,llama",
                         help="comma-separated subset of " + ",".join(MODELS))
     parser.add_argument("--profile", choices=("torch", "cprofile"),
                         help="after the timed steps, profile 5 more; rank 0 "
@@ -461,6 +535,10 @@ def main():
         ratios[model_kind]["final_loss"] = [
             figures[c]["time"][-1]["final_loss"] if figures[c]["time"] else None
             for c in (ours, theirs)]
+        ratios[model_kind]["collectives_per_step"] = {
+            side: figures[c]["time"][-1]["collectives_per_step"]
+            if figures[c]["time"] else None
+            for side, c in (("keras", ours), ("torch", theirs))}
 
     def fmt(value, digits=1):
         return "   n/a" if value is None else f"{value:.{digits}f}"
@@ -481,12 +559,17 @@ def main():
               f"peak {r['peak_mib']} / hwm {r['hwm_mib']} (target <= "
               f"{MEMORY_TARGET})  state {r['state_mib']}  final losses "
               f"{[None if v is None else round(v, 4) for v in r['final_loss']]}")
+        print(f"         collectives per step: keras "
+              f"{r['collectives_per_step']['keras']}  torch "
+              f"{r['collectives_per_step']['torch']}")
     _launch.save("fsdp", {
         "benchmark": "fsdp", "machine": _launch.machine(),
         "steps": args.steps, "warmup": args.warmup,
         "memory_steps": args.memory_steps, "repeats": args.repeats,
         "memory_rounds": args.memory_rounds, "phase_env": PHASE_ENV,
         "medians": medians, "ratios": ratios, "rounds": figures,
+        "collectives_per_step": {m: r["collectives_per_step"]
+                                 for m, r in ratios.items()},
         "targets": {"step": STEP_TARGET, "peak_memory": MEMORY_TARGET},
         "errors": errors, "launches": launches,
     })

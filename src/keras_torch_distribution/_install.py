@@ -20,7 +20,9 @@ from keras_torch_distribution import copies
 from keras_torch_distribution import data
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import einsum_grad
+from keras_torch_distribution import flat_shards
 from keras_torch_distribution import fsdp
+from keras_torch_distribution import fsdp_groups
 from keras_torch_distribution import layouts
 from keras_torch_distribution import optimizer_update
 from keras_torch_distribution import random_slices
@@ -248,6 +250,8 @@ def _state_objects():
         boundary.active_forward,
         fsdp.state,
         copies.pending,
+        fsdp_groups.state,
+        flat_shards.streams,
         replica_start.equalized,
         replicas.batch_weight,
         replicas.cache,

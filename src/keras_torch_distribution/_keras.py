@@ -102,6 +102,11 @@ def set_raw_value(variable, tensor):
     variable._value = tensor
 
 
+def own_variables(layer):
+    """The variables a layer created itself (not its sublayers')."""
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
 def variable_layout(variable):
     """The layout a variable was created with (None: the distribution's)."""
     return variable._layout

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from keras_torch_distribution import _keras
 from keras_torch_distribution import copies
 from keras_torch_distribution import fsdp
+from keras_torch_distribution import fsdp_groups
 from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
@@ -49,6 +50,9 @@ def layer_call(original, layer, *args, **kwargs):
     outermost call returns, the copies of the variables it created (a
     model's build) are made equal across processes (`copies`)."""
     if not _keras.in_outer_call():
+        if fsdp.plans_exist() and not torch.compiler.is_compiling():
+            with fsdp_groups.group_scope(layer):
+                return convert_outputs(original, layer, False, *args, **kwargs)
         return convert_outputs(original, layer, False, *args, **kwargs)
     outputs = _outermost_call(original, layer, *args, **kwargs)
     if not torch.compiler.is_compiling():
@@ -61,7 +65,9 @@ def _outermost_call(original, layer, *args, **kwargs):
     if active_forward.model is layer and not torch.compiler.is_compiling():
         return active_forward.forward(original, layer, *args, **kwargs)
     if fsdp.plans_exist():
-        with fsdp.regathering_in_backward():
+        with fsdp.regathering_in_backward(), fsdp_groups.forward_scope(
+            layer
+        ), fsdp_groups.group_scope(layer):
             return convert_outputs(original, layer, True, *args, **kwargs)
     return convert_outputs(original, layer, True, *args, **kwargs)
 

@@ -21,11 +21,18 @@ trainer leaves it alone. Outside layer calls (the optimizer, saving, user
 code) a variable is its stored sharded DTensor, whose global value is the
 model's.
 
+Inside a layer call that is an FSDP group (`fsdp_groups`), variables are
+not gathered one by one: the group's variables come from one flat
+all-gather, their gradients go back in one flat reduce-scatter. The
+per-variable path here serves the rest (variables read outside a group,
+dims sharded on two axes, the compiled forward).
+
 Gathered weights are not kept for backward: while a training forward runs
 (`regathering_in_backward`), tensors that autograd saves which are views of a
 gathered weight are replaced by a token, and gathered again when backward
-needs them, so the peak is the shards plus the layers in use, as FSDP2's
-reshard-after-forward gives.
+needs them (a whole group at once, the next group prefetched), so the peak
+is the shards plus the groups in use, as FSDP2's reshard-after-forward
+gives.
 """
 
 import contextlib
@@ -38,7 +45,9 @@ from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
+from keras_torch_distribution import _env
 from keras_torch_distribution import replicas
+from keras_torch_distribution import runtime
 from keras_torch_distribution import layouts
 from keras_torch_distribution import tensors
 
@@ -54,6 +63,17 @@ class GatherPlan:
     replicas: int  # the batch axis' size
     shape: tuple  # the variable's global shape
     plain: bool  # nothing sharded once gathered: use a plain tensor
+    axis: int  # the batch axis' index in the mesh
+    dim: int  # the dim the batch axis shards
+    # Only Shard and Replicate placements, and no other axis shards `dim`:
+    # the local shard is a `torch.chunk` piece of the gathered local
+    # tensor, so it can travel in a group's flat all-gather (fsdp_groups).
+    groupable: bool
+
+    @property
+    def group(self):
+        """The process group of the batch axis."""
+        return self.mesh.get_group(self.axis)
 
     def gather(self, value):
         """`value` (a DTensor of `stored`) whole along the batch axis, for
@@ -89,6 +109,9 @@ class FsdpState:
         # axis: until then layer calls skip the regathering hooks.
         self.plans_exist = False
         self.regatherer = None
+        # The group calls in progress (fsdp_groups), innermost last: a
+        # variable read inside one takes its value from the group's gather.
+        self.groups = []
 
 
 state = FsdpState()
@@ -113,6 +136,11 @@ def plan_for(torch_layout, shape, batch_axis):
         return None
     gathered = stored[:index] + (Replicate(),) + stored[index + 1 :]
     grad = stored[:index] + (Partial(),) + stored[index + 1 :]
+    dim = stored[index].dim
+    others = stored[:index] + stored[index + 1 :]
+    groupable = all(type(p) in (Shard, Replicate) for p in stored) and not any(
+        isinstance(p, Shard) and p.dim == dim for p in others
+    )
     state.plans_exist = True
     return GatherPlan(
         mesh=torch_layout.mesh,
@@ -122,6 +150,9 @@ def plan_for(torch_layout, shape, batch_axis):
         replicas=replicas,
         shape=tuple(int(n) for n in shape),
         plain=all(isinstance(p, Replicate) for p in gathered),
+        axis=index,
+        dim=dim,
+        groupable=groupable,
     )
 
 
@@ -144,22 +175,35 @@ class _Regatherer:
     """Saved-tensor hooks that keep no gathered weight between forward and
     backward: a saved view of a gathered weight becomes a token, gathered
     again when backward unpacks it (the same collectives on every rank, in
-    autograd's order)."""
+    autograd's order).
 
-    def __init__(self):
+    What a token is gathered from is its source: a group's flat gather
+    (`fsdp_groups`, one collective for the whole group, kept until the
+    group's gradients are reduce-scattered) or one variable's DTensor
+    redistribute (`_VariableSource`). Sources that backward will gather
+    again (a token was packed) are kept in the order of the forward; when
+    backward regathers one, the regathers of the sources before it
+    (backward's next) are started too, up to KTD_FSDP_PREFETCH in
+    flight."""
+
+    def __init__(self, prefetch):
+        self.prefetch = prefetch
         # storage data_ptr of a gathered local tensor ->
-        #   (weakref to it, its storage offset, stored DTensor, plan)
+        #   (weakref to it, its storage offset, source, key for the source)
         self.gathered = {}
+        # The sources of the tokens packed, in the order of their first.
+        self.sources = []
+        self.position = {}  # id(source) -> its index in `sources`
 
-    def register(self, stored, plan, view):
+    def register(self, view, source, key=None):
         local = view._local_tensor if isinstance(view, DTensor) else view
         if local.numel() == 0 or not local.is_contiguous():
             return
         self.gathered[local.untyped_storage().data_ptr()] = (
             weakref.ref(local),
             local.storage_offset(),
-            stored,
-            plan,
+            source,
+            key,
         )
 
     def pack(self, tensor):
@@ -169,14 +213,19 @@ class _Regatherer:
         entry = self.gathered.get(local.untyped_storage().data_ptr())
         if entry is None or entry[0]() is None:
             return tensor
-        _, base_offset, stored, plan = entry
-        placements = tensor.placements if isinstance(tensor, DTensor) else None
+        _, base_offset, source, key = entry
+        if id(source) not in self.position:  # backward will regather it
+            self.position[id(source)] = len(self.sources)
+            self.sources.append(source)
+        is_dtensor = isinstance(tensor, DTensor)
         return _Token(
-            stored,
-            plan,
-            placements,
+            self,
+            source,
+            key,
+            tensor.device_mesh if is_dtensor else None,
+            tensor.placements if is_dtensor else None,
             tuple(tensor.shape),
-            tensor.stride() if placements is not None else None,
+            tensor.stride() if is_dtensor else None,
             (tuple(local.shape), local.stride(), local.storage_offset() - base_offset),
         )
 
@@ -186,34 +235,86 @@ class _Regatherer:
             return packed
         return packed.restore()
 
+    def regathered(self, source, key):
+        """The local tensor `source` gathers for `key`, its regather started
+        now if need be, with the next sources' regathers prefetched.
+        Collective: call on every rank."""
+        # Copied out before the next regather starts, so that one group's
+        # flat buffer at most is alive beside the group in use.
+        regathered = source.regathered(key)
+        position = self.position.get(id(source))
+        if position is not None and self.prefetch:
+            in_flight = 0
+            for earlier in reversed(self.sources[:position]):
+                if in_flight >= self.prefetch:
+                    break
+                if earlier.in_flight():
+                    in_flight += 1
+                elif earlier.prefetchable():
+                    earlier.start_regather()
+                    in_flight += 1
+        return regathered
+
+
+class _VariableSource:
+    """One variable's gathered value, gathered again on its own (a DTensor
+    redistribute): variables outside any group."""
+
+    def __init__(self, stored, plan):
+        self.stored = stored
+        self.plan = plan
+
+    def start_regather(self):
+        pass
+
+    def in_flight(self):
+        return False
+
+    def prefetchable(self):
+        return False
+
+    def regathered(self, key):
+        with torch.no_grad():
+            whole = self.stored.redistribute(self.plan.mesh, self.plan.gathered)
+            return whole.to_local().contiguous()
+
 
 @dataclass
 class _Token:
     """What backward needs to gather a saved weight view again."""
 
-    stored: object
-    plan: GatherPlan
+    regatherer: _Regatherer
+    source: object
+    key: object
+    mesh: object  # of the saved DTensor; None for a plain tensor
     placements: tuple  # of the saved DTensor; None for a plain tensor
     global_shape: tuple
     global_stride: tuple
     local_geometry: tuple  # (size, stride, offset from the gathered base)
 
     def restore(self):
-        with torch.no_grad():
-            whole = self.stored.redistribute(self.plan.mesh, self.plan.gathered)
-            base = whole.to_local().contiguous()
+        base = self.regatherer.regathered(self.source, self.key)
         size, stride, offset = self.local_geometry
         view = base.as_strided(size, stride, base.storage_offset() + offset)
         if self.placements is None:
             return view
         return DTensor.from_local(
             view,
-            self.plan.mesh,
+            self.mesh,
             self.placements,
             run_check=False,
             shape=torch.Size(self.global_shape),
             stride=self.global_stride,
         )
+
+
+def prefetch_depth():
+    """How many FSDP groups may be gathered ahead of the one in use
+    (KTD_FSDP_PREFETCH). By default 1 on CUDA, where a gather on its own
+    stream overlaps compute; 0 on CPU, where gloo's collective threads
+    share the cores with compute, so that a prefetched group costs its
+    memory and overlaps nothing measurable."""
+    return _env.fsdp_prefetch(default=1 if runtime.uses_cuda() else 0)
 
 
 @contextlib.contextmanager
@@ -223,7 +324,7 @@ def regathering_in_backward():
     if state.regatherer is not None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         yield
         return
-    regatherer = _Regatherer()
+    regatherer = _Regatherer(prefetch_depth())
     state.regatherer = regatherer
     try:
         with torch.autograd.graph.saved_tensors_hooks(regatherer.pack, regatherer.unpack):
@@ -233,11 +334,18 @@ def regathering_in_backward():
         regatherer.gathered.clear()
 
 
-def gather_for_use(stored, plan):
-    """`stored` gathered along the batch axis (see GatherPlan.gather), noted
-    for regathering in backward when a training forward is in progress."""
+def gather_for_use(stored, plan, variable=None):
+    """`stored` (a variable's value, after Keras' autocast) gathered along
+    the batch axis: from the flat gather of a group in progress that holds
+    `variable` (see `fsdp_groups`), else on its own (see GatherPlan.gather),
+    noted for regathering in backward when a training forward is in
+    progress. Collective: call on every rank."""
+    for call in reversed(state.groups):
+        gathered = call.value_for(variable, stored.dtype)
+        if gathered is not None:
+            return gathered
     view = plan.gather(stored)
     regatherer = state.regatherer
     if regatherer is not None and view.requires_grad:
-        regatherer.register(stored, plan, view)
+        regatherer.register(view, _VariableSource(stored, plan))
     return view

@@ -127,7 +127,7 @@ def value_for_use(original, variable, value):
         or str(_keras.torch_device()) == "meta"
     ):
         return value
-    return fsdp.gather_for_use(value, plan)
+    return fsdp.gather_for_use(value, plan, variable)
 
 
 def warn_if_created_outside(variables, distribution):

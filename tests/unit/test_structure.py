@@ -34,6 +34,8 @@ LAYERS = [
     "collectives",  # the one bucketed flat collective
     "copies",  # copies of a variable made equal from creation
     "stopping",  # ranks stop together
+    "flat_shards",  # FSDP's flat all-gather / reduce-scatter of a group's shards
+    "collective_counts",  # counting a step's collectives (tests, benchmarks)
     "replicas",
     "distribution_lib",
     "sharding_rules",
@@ -42,6 +44,7 @@ LAYERS = [
     "einsum_grad",  # einsum that saves its operands (FSDP regathers them)
     "variables",
     "whole_variables",  # what a layout map leaves whole
+    "fsdp_groups",  # FSDP by group, prefetched
     "data",
     "random_slices",
     "sync_batch_norm",

@@ -1,0 +1,98 @@
+"""The keras_hub Llama of benchmarks/fsdp.py's `llama` case, and a raw torch
+model of the same shapes for FSDP2.
+
+Keras: `keras_hub.models.LlamaCausalLM` (no preprocessor) on a tiny
+config; torch: the same layers (token embedding, per decoder block an RMS
+norm, q / k / v / output projections without bias, rotary position
+embedding, causal grouped-query attention, an RMS norm and a SiLU-gated
+feed-forward of gate / up / down projections; a final RMS norm and an
+untied output projection), the same parameter count. Losses: sparse
+categorical cross-entropy of the next token, from logits.
+"""
+
+import numpy as np
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 2048, 128, 4, 4, 2, 384
+SEQ, GLOBAL_BATCH = 64, 8
+EPS = 1e-6
+
+
+def arrays(seed=0):
+    """Token ids of the global batch: inputs (GLOBAL_BATCH, SEQ) and the
+    next-token targets."""
+    ids = np.random.default_rng(seed).integers(1, VOCAB, (GLOBAL_BATCH, SEQ + 1))
+    return ids[:, :-1].astype("int32"), ids[:, 1:].astype("int32")
+
+
+def keras_causal_lm(keras, keras_hub):
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_layers=LAYERS, num_query_heads=HEADS,
+        num_key_value_heads=KV_HEADS, hidden_dim=HIDDEN, intermediate_dim=FFN,
+        layer_norm_epsilon=EPS,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def keras_inputs(token_ids):
+    return {"token_ids": token_ids, "padding_mask": np.ones(token_ids.shape, bool)}
+
+
+def torch_causal_lm():
+    """The torch model: `.blocks` are the decoder blocks (what FSDP2
+    wraps one by one)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    head_dim = HIDDEN // HEADS
+
+    def rotary(x, cos, sin):
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention_norm = nn.RMSNorm(HIDDEN, eps=EPS)
+            self.query = nn.Linear(HIDDEN, HEADS * head_dim, bias=False)
+            self.key = nn.Linear(HIDDEN, KV_HEADS * head_dim, bias=False)
+            self.value = nn.Linear(HIDDEN, KV_HEADS * head_dim, bias=False)
+            self.attention_output = nn.Linear(HEADS * head_dim, HIDDEN, bias=False)
+            self.ffn_norm = nn.RMSNorm(HIDDEN, eps=EPS)
+            self.gate = nn.Linear(HIDDEN, FFN, bias=False)
+            self.up = nn.Linear(HIDDEN, FFN, bias=False)
+            self.down = nn.Linear(FFN, HIDDEN, bias=False)
+
+        def forward(self, x, cos, sin):
+            b, t, _ = x.shape
+            h = self.attention_norm(x)
+            q = self.query(h).view(b, t, HEADS, head_dim).transpose(1, 2)
+            k = self.key(h).view(b, t, KV_HEADS, head_dim).transpose(1, 2)
+            v = self.value(h).view(b, t, KV_HEADS, head_dim).transpose(1, 2)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.attention_output(attention.transpose(1, 2).reshape(b, t, HIDDEN))
+            h = self.ffn_norm(x)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    class CausalLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(VOCAB, HIDDEN)
+            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+            self.norm = nn.RMSNorm(HIDDEN, eps=EPS)
+            self.output = nn.Linear(HIDDEN, VOCAB, bias=False)
+            inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+            angles = torch.outer(torch.arange(SEQ).float(), inverse)
+            angles = torch.cat([angles, angles], dim=-1)
+            self.register_buffer("cos", angles.cos(), persistent=False)
+            self.register_buffer("sin", angles.sin(), persistent=False)
+
+        def forward(self, token_ids):
+            x = self.embedding(token_ids)
+            for block in self.blocks:
+                x = block(x, self.cos, self.sin)
+            return self.output(self.norm(x))
+
+    return CausalLM()

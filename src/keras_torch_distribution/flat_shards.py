@@ -1,0 +1,214 @@
+"""One flat all-gather, and one flat reduce-scatter, for a group of shards.
+
+FSDP2's copy-in / copy-out: each rank copies its shards of a group's
+tensors into one flat buffer (every shard padded on its sharded dim to
+ceil(size / ranks), as `torch.chunk` and DTensor's `Shard` cut it), one
+`all_gather_into_tensor` makes every rank's buffer whole, and each tensor
+is copied out of the pieces of all ranks. For gradients the other way: the
+whole gradients are copied into one flat buffer in rank-major order
+(padded alike), one `reduce_scatter_tensor` sums it, and each rank's
+shards are views of its piece. Every rank of the group must pass tensors
+of the same shapes in the same order, which the padding guarantees for
+uneven dims.
+
+On CUDA the gather's copy-in and collective run on a stream of their own,
+so that a prefetched gather overlaps the compute of the current stream;
+`FlatGather.take` makes the current stream wait for it.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor's place in a group's flat buffers."""
+
+    dim: int  # the dim sharded over the ranks
+    full_size: int  # that dim's size once gathered
+    chunk: int  # each rank's padded size on `dim`: ceil(full_size / ranks)
+    padded_shape: tuple  # one rank's padded shard
+    offset: int  # start in each rank's flat segment
+    numel: int  # elements of `padded_shape`
+
+    @property
+    def gathered_shape(self):
+        shape = list(self.padded_shape)
+        shape[self.dim] = self.full_size
+        return tuple(shape)
+
+    def rows_of(self, rank):
+        """How many of `chunk` rows on `dim` rank `rank` really holds."""
+        return max(0, min(self.chunk, self.full_size - rank * self.chunk))
+
+
+class FlatLayout:
+    """Where each of a group's tensors lies in its flat buffers.
+
+    `shards` are this rank's local shards, `dims` the dim each is sharded
+    on and `full_sizes` that dim's size once gathered over `ranks`."""
+
+    def __init__(self, shard_shapes, dims, full_sizes, ranks):
+        self.ranks = ranks
+        self.pieces = []
+        offset = 0
+        for shape, dim, full in zip(shard_shapes, dims, full_sizes):
+            chunk = max(1, math.ceil(full / ranks))
+            padded_shape = tuple(shape[:dim]) + (chunk,) + tuple(shape[dim + 1 :])
+            numel = math.prod(padded_shape)
+            self.pieces.append(Piece(dim, full, chunk, padded_shape, offset, numel))
+            offset += numel
+        self.per_rank = offset  # elements of one rank's flat segment
+        self.any_padding = any(p.full_size != p.chunk * ranks for p in self.pieces)
+
+    def copy_in(self, shards, flat):
+        """This rank's `shards` into its segment `flat` (padding left as
+        `flat` holds it: zeros when it was made with zeros)."""
+        for piece, shard in zip(self.pieces, shards):
+            target = flat[piece.offset : piece.offset + piece.numel].view(piece.padded_shape)
+            target.narrow(piece.dim, 0, shard.shape[piece.dim]).copy_(shard)
+
+    def copy_out(self, gathered):
+        """The whole tensors (contiguous, each its own storage) from the
+        `ranks * per_rank` elements of an all-gather."""
+        rows = gathered.view(self.ranks, self.per_rank)
+        outputs = []
+        for piece in self.pieces:
+            pieces = rows[:, piece.offset : piece.offset + piece.numel].view(
+                (self.ranks,) + piece.padded_shape
+            )
+            if piece.full_size == piece.chunk * self.ranks:
+                merged = pieces.movedim(0, piece.dim).reshape(piece.gathered_shape)
+                outputs.append(merged.contiguous())
+                continue
+            whole = torch.empty(piece.gathered_shape, dtype=gathered.dtype, device=gathered.device)
+            for rank in range(self.ranks):
+                n = piece.rows_of(rank)
+                if n:
+                    whole.narrow(piece.dim, rank * piece.chunk, n).copy_(
+                        pieces[rank].narrow(piece.dim, 0, n)
+                    )
+            outputs.append(whole)
+        return outputs
+
+    def scatter_input(self, grads, dtype, device):
+        """The `ranks * per_rank` input of the gradients' reduce-scatter: each
+        whole gradient cut into the ranks' padded pieces, in rank-major
+        order; a None gradient is zeros."""
+        zeros = self.any_padding or any(g is None for g in grads)
+        make = torch.zeros if zeros else torch.empty
+        flat = make(self.ranks * self.per_rank, dtype=dtype, device=device)
+        rows = flat.view(self.ranks, self.per_rank)
+        for piece, grad in zip(self.pieces, grads):
+            if grad is None:
+                continue
+            target = rows[:, piece.offset : piece.offset + piece.numel].view(
+                (self.ranks,) + piece.padded_shape
+            )
+            if piece.full_size == piece.chunk * self.ranks:
+                target.movedim(0, piece.dim).copy_(
+                    grad.unflatten(piece.dim, (self.ranks, piece.chunk))
+                )
+                continue
+            for rank in range(self.ranks):
+                n = piece.rows_of(rank)
+                if n:
+                    target[rank].narrow(piece.dim, 0, n).copy_(
+                        grad.narrow(piece.dim, rank * piece.chunk, n)
+                    )
+        return flat
+
+    def shards_of(self, flat, shard_shapes):
+        """Views of this rank's shards in its reduce-scattered segment."""
+        return [
+            flat[p.offset : p.offset + p.numel]
+            .view(p.padded_shape)
+            .narrow(p.dim, 0, shape[p.dim])
+            for p, shape in zip(self.pieces, shard_shapes)
+        ]
+
+
+class FlatGather:
+    """One asynchronous flat all-gather of a group's shards over `group`;
+    `take()` waits for it and returns the whole tensors. Collective: start
+    it on every rank, in the same order."""
+
+    def __init__(self, layout, shards, group):
+        self.layout = layout
+        first = shards[0]
+        dtype, device = first.dtype, first.device
+        self.stream = streams.for_device(device)
+        with _on_stream(self.stream):
+            make = torch.zeros if layout.any_padding else torch.empty
+            self.input = make(layout.per_rank, dtype=dtype, device=device)
+            layout.copy_in(shards, self.input)
+            self.output = torch.empty(layout.ranks * layout.per_rank, dtype=dtype, device=device)
+            self.work = dist.all_gather_into_tensor(
+                self.output, self.input, group=group, async_op=True
+            )
+        # The collective's work keeps its input alive until it completes.
+        self.input = None
+
+    def wait(self):
+        """Complete the collective (the current stream waits for it)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.stream is not None:
+                current = torch.cuda.current_stream(self.output.device)
+                current.wait_stream(self.stream)
+                self.output.record_stream(current)
+
+    def take(self):
+        """The whole tensors; the flat buffers are let go."""
+        self.wait()
+        outputs = self.layout.copy_out(self.output)
+        self.output = None
+        return outputs
+
+
+def reduce_scatter(layout, grads, group, scale, dtype, device, shard_shapes):
+    """This rank's shards of the sum over `group` of every rank's `grads`
+    (whole gradients in `layout`'s order; None: zeros), each rank's first
+    multiplied by `scale`, in one flat reduce-scatter. Collective: call on
+    every rank."""
+    flat = layout.scatter_input(grads, dtype, device)
+    if scale != 1.0:
+        flat.mul_(scale)
+    out = torch.empty(layout.per_rank, dtype=dtype, device=device)
+    dist.reduce_scatter_tensor(out, flat, group=group)
+    return layout.shards_of(out, shard_shapes)
+
+
+class GatherStreams:
+    """The side stream FSDP gathers run on, one per CUDA device, made on
+    first use."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.by_device = {}  # CUDA device index -> torch.cuda.Stream
+
+    def for_device(self, device):
+        """The gather stream of `device`, ordered after the work queued on
+        its current stream; None on CPU."""
+        if device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self.by_device.get(index)
+        if stream is None:
+            stream = self.by_device[index] = torch.cuda.Stream(device=index)
+        stream.wait_stream(torch.cuda.current_stream(index))
+        return stream
+
+
+streams = GatherStreams()
+
+
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
