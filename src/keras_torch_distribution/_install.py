@@ -16,7 +16,6 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import boundary
 from keras_torch_distribution import checkpoint
 from keras_torch_distribution import compiled
-from keras_torch_distribution import copies
 from keras_torch_distribution import data
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import einsum_grad
@@ -249,7 +248,6 @@ def _state_objects():
         compiled.compiled_forwards,
         boundary.active_forward,
         fsdp.state,
-        copies.pending,
         fsdp_groups.state,
         flat_shards.streams,
         replica_start.equalized,

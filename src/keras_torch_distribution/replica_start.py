@@ -1,15 +1,13 @@
 """Copies of a variable are equal before a model's first step.
 
-Copies are made equal as variables are created (`copies`: when the
-outermost layer call that built them returns). Before the first train,
-test or predict step of each model under a distribution, what is left is
-made equal too, as DistributedDataParallel broadcasts parameters and
-buffers from rank 0 when it wraps a module: variables created outside any
-layer call since (`keras.Variable` in user code) and variables created
-before the distribution was set. Flat broadcasts per process group and
-dtype, in buckets (see `benchmarks/one_device_numbers.py`). Variables
-created after the first step outside layer calls, and training loops that
-call the model and `optimizer.apply` themselves, are not covered.
+Before the first train, test or predict step of each model under a
+distribution, every copy of its variables is made equal to the first (as
+DistributedDataParallel broadcasts parameters and buffers from rank 0 when
+it wraps a module; see `copies`). Variables filled with a constant are
+left out. Flat broadcasts per process group and dtype, in
+buckets (see `benchmarks/one_device_numbers.py`). Variables created after
+the first step outside layer calls, and training loops that call the model
+and `optimizer.apply` themselves, are not covered.
 
 Replaces, through the seam, Keras' `make_train_function` /
 `make_test_function` / `make_predict_function` with one factory,
@@ -76,11 +74,9 @@ def make_step_function(kind, original, model, force=False):
 
 def equalize(model):
     """Make every copy of `model`'s variables equal to the first copy (see
-    the module docstring): those still pending since creation, and those
-    created outside a distribution (`copies`). Collective: call on every
-    rank."""
-    count = copies.make_pending_equal()
-    count += copies.make_equal([v for v in model.variables if not copies.are_equal(v)])
+    the module docstring), but for those equal already (`copies`).
+    Collective: call on every rank."""
+    count = copies.make_equal([v for v in model.variables if not copies.are_equal(v)])
     equalized.models.add(model)
     logger.debug("Made %d variable blocks of model %r equal across replicas.", count, model.name)
 
