@@ -58,3 +58,49 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
     record_file(str(path), ".metadata")
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="not one of the checkpoint's files"):
         checkpoint.load(checkpoint_model(), path)
+
+
+def test_missing_file_is_named_and_unwritable_folder_is_a_write_error(tmp_path):
+    from keras_torch_distribution import checkpoint
+
+    model = checkpoint_model()
+    checkpoint.save(model, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").unlink()
+    with pytest.raises(checkpoint.NotACheckpointError) as error:
+        checkpoint.load(model, tmp_path / "ckpt")
+    assert "has no '.metadata'" in str(error.value)
+    assert "keras_checkpoint" not in str(error.value).split("it has no")[-1]
+    # A folder the job cannot create (a file stands where a directory must
+    # be; chmod does not stop root): CheckpointWriteError with the path.
+    (tmp_path / "file").write_text("not a folder")
+    target = tmp_path / "file" / "ckpt"
+    with pytest.raises(checkpoint.CheckpointWriteError) as error:
+        checkpoint.save(model, target)
+    assert str(target) in str(error.value) and "NotADirectoryError" in str(error.value)
+    assert "Choose a folder this job can write to" in str(error.value)
+
+
+def test_a_failed_save_leaves_no_incomplete_folder(tmp_path, monkeypatch):
+    from keras_torch_distribution import checkpoint
+    from keras_torch_distribution.checkpoint import _dcp
+
+    model = checkpoint_model()
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    real_open = _dcp._open
+    calls = []
+
+    def failing_open(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).endswith(".distcp"):
+            calls.append(path)
+            no_space()
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(_dcp, "_open", failing_open)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="No space left on device"):
+        checkpoint.save(model, tmp_path / "ckpt")
+    assert calls
+    assert not (tmp_path / "ckpt.incomplete").exists()
+    assert not (tmp_path / "ckpt").exists()
