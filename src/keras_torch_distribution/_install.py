@@ -16,6 +16,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import boundary
 from keras_torch_distribution import checkpoint
 from keras_torch_distribution import compiled
+from keras_torch_distribution import copies
 from keras_torch_distribution import data
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import einsum_grad
@@ -251,6 +252,7 @@ def _state_objects():
         fsdp_groups.state,
         flat_shards.streams,
         replica_start.equalized,
+        copies.pending,
         replicas.batch_weight,
         replicas.cache,
         layouts.torch_meshes,

@@ -10,6 +10,12 @@ every variable's path, shape, dtype and layout -- and the ranks compare a
 digest of it in one all-gather of a few bytes. Only when digests differ is
 the description gathered, and every rank raises the same error naming the
 first difference and the ranks on each side.
+
+The same all-gather (`compare`) starts the broadcast that makes a build's
+copies equal (`copies`), with what is being done in it: a rank that builds
+a model the others do not build meets their fit / evaluate / predict, or
+their build of another model, and every rank raises an error naming what
+each side was doing, instead of waiting forever in a broadcast.
 """
 
 import hashlib
@@ -62,7 +68,13 @@ def describe(method, model, args, kwargs):
         ("mesh", _mesh_text(distribution)),
         ("batch axis", repr(getattr(distribution, "batch_dim_name", None))),
     ]
-    for variable in model.variables:
+    return items + variable_items(model.variables)
+
+
+def variable_items(variables):
+    """Each variable's path, shape, dtype and layout, as (name, text) pairs."""
+    items = []
+    for variable in variables:
         layout = getattr(variable, "_ktd_layout", None)
         axes = tuple(layout.axes) if layout is not None else None
         items.append(
@@ -105,9 +117,9 @@ def _warn_if_replicas_repeat(method, gathered):
     group = replicas.current()
     if not group.is_distributed or _keras.current_distribution().auto_shard_dataset:
         return
-    by_replica = {index: data for _, data, index in gathered}
+    by_replica = {index: data for _, _, data, index in gathered}
     digests = set(by_replica.values())
-    if len(by_replica) > 1 and None not in digests and len(digests) == 1:
+    if len(by_replica) > 1 and 0 not in digests and len(digests) == 1:
         warn_once(
             ("replicas-repeat-input", method, digests.pop()),
             "%s(): every one of the %d data-parallel replicas passed the same "
@@ -129,23 +141,68 @@ def check(method, model, args, kwargs):
     distribution = _keras.current_distribution()
     if distribution is None or not runtime.is_multi_process():
         return
-    items = describe(method, model, args, kwargs)
-    digest = hashlib.sha256(repr(items).encode()).hexdigest()[:16]
     x = args[0] if args else kwargs.get("x")
     data = None if distribution.auto_shard_dataset else input_digest(x)
-    gathered = [None] * runtime.num_processes()
-    dist.all_gather_object(gathered, (digest, data, replicas.current().index))
-    digests = [entry[0] for entry in gathered]
-    if len(set(digests)) == 1:
-        _warn_if_replicas_repeat(method, gathered)
-        return
+    gathered = compare(f"{method}()", describe(method, model, args, kwargs), data)
+    _warn_if_replicas_repeat(method, gathered)
+
+
+def compare(doing, items, data=None):
+    """Raise RanksDisagreeError on every rank when ranks are doing other
+    things (`doing`: "fit()", "the build of ...") or describe it with other
+    `items` ((name, text) pairs); return every rank's (doing's kind, items'
+    digest, `data` (a 16-hex-digit digest or None), replica index), as
+    integers. One all-gather of 32 bytes, and one more of the descriptions
+    when they differ. Collective: call on every rank."""
+    digest = hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+    header = torch.tensor(
+        [_code(_kind(doing)), _code(digest), _code(data), replicas.current().index],
+        dtype=torch.int64,
+    )
+    gathered = [torch.empty_like(header) for _ in range(runtime.num_processes())]
+    dist.all_gather(gathered, header)
+    gathered = [tuple(int(v) for v in entry) for entry in gathered]
+    if len({entry[:2] for entry in gathered}) == 1:
+        return gathered
     everyone = [None] * runtime.num_processes()
-    dist.all_gather_object(everyone, dict(items))
-    raise RanksDisagreeError(first_difference(everyone, method))
+    dist.all_gather_object(everyone, (doing, dict(items)))
+    if len({_kind(d) for d, _ in everyone}) > 1:
+        raise RanksDisagreeError(_different_programs([d for d, _ in everyone]))
+    raise RanksDisagreeError(first_difference([i for _, i in everyone], _kind(doing)))
 
 
-def first_difference(descriptions, method):
-    """The message for the first item on which ranks' descriptions differ."""
+def _code(text):
+    """A text (or a hex digest) as a signed 64-bit integer; None as 0."""
+    if text is None:
+        return 0
+    value = int(hashlib.sha256(text.encode()).hexdigest()[:16], 16)
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def _kind(doing):
+    """"fit()" or "the build" of "the build of 2 variables (...)"."""
+    return doing.split(" of ", 1)[0]
+
+
+def _different_programs(doings):
+    groups = {}
+    for rank, doing in enumerate(doings):
+        groups.setdefault(doing, []).append(rank)
+    sides = "; ".join(f"ranks {ranks}: {doing}" for doing, ranks in groups.items())
+    return (
+        f"Ranks are running different programs: {sides}. Under a distribution, "
+        "every rank must build the same models in the same order and call "
+        "fit / evaluate / predict together (building a model on some ranks "
+        "only makes a collective that the others never join). Make the "
+        "differing step the same on every rank, or build a model meant for "
+        "one rank only outside the distribution (before "
+        "keras.distribution.set_distribution, or after set_distribution(None))."
+    )
+
+
+def first_difference(descriptions, doing):
+    """The message for the first item on which ranks' descriptions of
+    `doing` ("fit()", "the build") differ."""
     names = []
     for description in descriptions:
         names += [n for n in description if n not in names]
@@ -158,10 +215,10 @@ def first_difference(descriptions, method):
             groups.setdefault(value, []).append(rank)
         sides = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
         return (
-            f"{method}() differs between ranks in {name}: {sides}. Every rank "
+            f"{doing} differs between ranks in {name}: {sides}. Every rank "
             "must run the same program on the same distribution, model and "
             "input sizes (per-process inputs with auto_shard_dataset=False "
             "must have the same number of rows on every rank). Make the "
             "differing value the same on every rank."
         )
-    return f"{method}() differs between ranks, but no single item shows how."
+    return f"{doing} differs between ranks, but no single item shows how."

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import copies
 from keras_torch_distribution import fsdp
 from keras_torch_distribution import fsdp_groups
 from keras_torch_distribution import layouts
@@ -45,13 +46,16 @@ def plain(value):
 
 
 def layer_call(original, layer, *args, **kwargs):
-    """Keras `Layer.__call__`, as the module docstring says."""
+    """Keras `Layer.__call__`, as the module docstring says. When an
+    outermost call returns, the copies of the variables it created (a
+    model's build) are made equal across processes (`copies`)."""
     if not _keras.in_outer_call():
         if fsdp.plans_exist() and not torch.compiler.is_compiling():
             with fsdp_groups.group_scope(layer):
                 return convert_outputs(original, layer, False, *args, **kwargs)
         return convert_outputs(original, layer, False, *args, **kwargs)
-    return _outermost_call(original, layer, *args, **kwargs)
+    with copies.equal_when_built():
+        return _outermost_call(original, layer, *args, **kwargs)
 
 
 def _outermost_call(original, layer, *args, **kwargs):

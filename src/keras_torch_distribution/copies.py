@@ -11,14 +11,25 @@ shard it. Every copy is made equal to the first:
   it, from that axis' coordinate 0. Blocks sharded on every axis have no
   copies.
 
+Copies are made equal as they are created, as on JAX, where a replicated
+variable is one array: the variables a model's build creates (any
+outermost Keras layer call: a functional model's layers as it is
+constructed, a subclassed model's first call) are registered (`created`)
+and, when that call returns, made equal in flat broadcasts per process
+group (`collectives`), one bucketed broadcast per build, not one per
+variable. The broadcast starts with the all-gather of the agreement check
+(`agreement.compare`): a rank that builds another model than the others,
+or a model they never build, meets them there and every rank raises an
+error naming what each one was doing, instead of waiting forever.
 Variables whose initializer is a constant (zeros, ones: optimizer slots,
-metric states) are equal anyway and are marked so as they are created
-(`created`), without a broadcast. The copies of a model's other variables
-are made equal in flat broadcasts per process group (`collectives`) before
-the model's first step (`replica_start`), not as the model is built: a
-rank that builds another model than the others (a bug `agreement` names at
-the start of fit) would otherwise wait forever in that broadcast.
+metric states) are equal anyway and are marked so, without a broadcast.
+What is left -- variables created outside any layer call (a
+`keras.Variable` of your own, a SeedGenerator made in a layer's
+constructor) or before the distribution was set -- is made equal before the
+model's first step (`replica_start`).
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -26,15 +37,77 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import agreement
 from keras_torch_distribution import collectives
 from keras_torch_distribution import runtime
 
 
+class PendingCopies:
+    """Variables created during the outermost layer call in progress whose
+    copies may differ, in creation order (the same on every rank)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.collecting = False
+        self.variables = []
+
+
+pending = PendingCopies()
+
+
 def created(variable, constant=False):
     """Note a just-initialized variable: one filled with a `constant` is
-    equal on every process already and needs no broadcast."""
-    if constant and _keras.current_distribution() is not None and runtime.is_multi_process():
+    equal on every process already; another, created during a build, has
+    its copies made equal when the build returns (`equal_when_built`)."""
+    if _keras.current_distribution() is None or not runtime.is_multi_process():
+        return
+    if constant:
         variable._ktd_copies_equal = True
+    elif pending.collecting:
+        pending.variables.append(variable)
+
+
+@contextlib.contextmanager
+def equal_when_built():
+    """Around an outermost layer call: the copies of the variables it
+    creates are made equal when it returns. Collective when it created any:
+    call on every rank."""
+    if (
+        pending.collecting
+        or torch.compiler.is_compiling()
+        or _keras.current_distribution() is None
+        or not runtime.is_multi_process()
+    ):
+        yield
+        return
+    pending.collecting = True
+    try:
+        yield
+    except BaseException:
+        pending.clear()
+        raise
+    variables = pending.variables
+    pending.clear()
+    make_built_equal(variables)
+
+
+def make_built_equal(variables):
+    """Make the copies of the `variables` a build created equal, after the
+    ranks agree that they built the same ones (`agreement.compare`); returns
+    the number of blocks sent. Collective: call on every rank."""
+    variables = [v for v in variables if not are_equal(v)]
+    if not variables:
+        return 0
+    paths = ", ".join(repr(v.path) for v in variables[:3])
+    more = ", ..." if len(variables) > 3 else ""
+    count = f"{len(variables)} variable" + ("s" if len(variables) > 1 else "")
+    agreement.compare(
+        f"the build of {count} ({paths}{more})",
+        agreement.variable_items(variables),
+    )
+    return make_equal(variables)
 
 
 def are_equal(variable):

@@ -1,13 +1,17 @@
 """Copies of a variable are equal before a model's first step.
 
-Before the first train, test or predict step of each model under a
-distribution, every copy of its variables is made equal to the first (as
-DistributedDataParallel broadcasts parameters and buffers from rank 0 when
-it wraps a module; see `copies`). Variables filled with a constant are
-left out. Flat broadcasts per process group and dtype, in
-buckets (see `benchmarks/one_device_numbers.py`). Variables created after
-the first step outside layer calls, and training loops that call the model
-and `optimizer.apply` themselves, are not covered.
+Copies are made equal as variables are created (`copies`: when the
+outermost layer call that built them returns). Before the first train,
+test or predict step of each model under a distribution, what is left is
+made equal too, as DistributedDataParallel broadcasts parameters and
+buffers from rank 0 when it wraps a module: variables created outside any
+layer call (`keras.Variable` in user code, SeedGenerators made in layer
+constructors) and variables created before the distribution was set.
+Variables filled with a constant are left out. Flat broadcasts per process
+group and dtype, in buckets (see `benchmarks/one_device_numbers.py`).
+Variables created after the first step outside layer calls, and training
+loops that call the model and `optimizer.apply` themselves, are not
+covered.
 
 Replaces, through the seam, Keras' `make_train_function` /
 `make_test_function` / `make_predict_function` with one factory,

@@ -336,10 +336,12 @@ def _disagreeing_fit(what):
         return (time.perf_counter() - start) / 20
     if what == "rows":
         x, y = x[: 64 - 6 * rank], y[: 64 - 6 * rank]
-    if what == "model" and rank == 1:
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, name="down")])
-        model.compile(optimizer="adam", loss="mse")
     with pytest.raises(RanksDisagreeError) as error:
+        if what == "model" and rank == 1:  # meets rank 0's fit at its build
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, name="down")])
+            model.compile(optimizer="adam", loss="mse")
+        if what == "build":  # both build, other shapes: named at the build
+            keras.Sequential([keras.Input((8,)), keras.layers.Dense(6 + rank, name="down")])
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     return str(error.value)
 
@@ -348,6 +350,15 @@ def test_ranks_that_disagree_are_named_on_every_rank(pool2):
     for message in pool2.run(_disagreeing_fit, "rows"):
         assert "fit() differs between ranks in rows of x: ranks [0]: 64; ranks [1]: 58" in message
     for message in pool2.run(_disagreeing_fit, "model"):
-        assert "differs between ranks in variable" in message and "ranks [0]" in message
+        assert (
+            "Ranks are running different programs: ranks [0]: fit(); ranks [1]: "
+            "the build of 1 variable ('sequential" in message
+            and "/down/kernel')" in message  # its zero bias needs no broadcast
+        ), message
+    for message in pool2.run(_disagreeing_fit, "build"):
+        assert "the build differs between ranks in variable sequential" in message, message
+        assert (
+            "/down/kernel: ranks [0]: (8, 6) float32 None; ranks [1]: (8, 7) float32 None"
+        ) in message, message
     seconds = pool2.run(_disagreeing_fit, "agree")
     print(f"agreement check: {1e3 * max(seconds):.2f} ms per call")

@@ -1,10 +1,13 @@
-"""Ranks that could drift apart stay together (issue 20, items 3 and 5).
+"""Ranks that could drift apart stay together (issue 20, items 3 to 5).
 
 - A callback that sets `model.stop_training` on one rank only: every rank
   stops at that step (the numbers of one process stopped there), and every
   rank says which rank stopped.
 - Per-process generators of different lengths: every rank ends the epoch
   where the shortest ended, and says which rank ran out.
+- Copies equal from creation: with rank-dependent seeds, a 2 x 2 mesh's
+  replicated variables and the copies of sharded blocks along the batch
+  axis are equal right after the model is built, before any step.
 - Per-process inputs that repeat on every replica: one warning naming the
   fix; none when each replica passes its part.
 """
@@ -158,6 +161,59 @@ def _reference_two_batches():
                         verbose=0, shuffle=False)
     keras.backend.clear_session()
     return history.history["loss"], _weights(model)
+
+
+# ---------------------------------------------------------------------------
+# Copies equal from creation
+# ---------------------------------------------------------------------------
+
+
+def build_with_rank_seeds(kind):
+    """Build (no step) with seed 1000 + rank; every rank's local values."""
+    import keras
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    set_distribution(kind)
+    keras.utils.set_random_seed(1000 + dist.get_rank())
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="relu", name="hidden"),
+        keras.layers.Dense(3, name="out"),
+        keras.layers.Dense(3, name="side"),  # replicated under the rules
+    ])
+    local = {}
+    for variable in model.weights:
+        value = variable.value
+        local[variable.path] = (
+            value.to_local() if isinstance(value, DTensor) else value
+        ).detach().numpy().copy()
+    return local
+
+
+def test_copies_are_equal_from_creation_on_2x2_mesh(pool4):
+    # Ranks 0 and 2 hold the same block of each sharded kernel (model
+    # coordinate 0 of batch coordinates 0 and 1); every rank holds the
+    # replicated ones whole.
+    local = pool4.run(build_with_rank_seeds, "hybrid", timeout=300)
+    for path in local[0]:
+        np.testing.assert_array_equal(local[2][path], local[0][path], err_msg=path)
+        np.testing.assert_array_equal(local[3][path], local[1][path], err_msg=path)
+    for path in ("side/kernel", "side/bias", "out/bias"):
+        full = [p for p in local[0] if p.endswith(path)]
+        assert full, list(local[0])
+        for rank in (1, 2, 3):
+            np.testing.assert_array_equal(local[rank][full[0]], local[0][full[0]])
+    # The blocks of a sharded kernel differ (rank 0 and 1 hold other columns).
+    hidden = [p for p in local[0] if p.endswith("hidden/kernel")][0]
+    assert local[0][hidden].shape == (6, 4)
+    assert not np.array_equal(local[0][hidden], local[1][hidden])
+
+
+def test_copies_are_equal_from_creation_data_parallel(pool2):
+    local = pool2.run(build_with_rank_seeds, "dp", timeout=300)
+    for path in local[0]:
+        np.testing.assert_array_equal(local[1][path], local[0][path], err_msg=path)
 
 
 # ---------------------------------------------------------------------------

@@ -32,11 +32,12 @@ LAYERS = [
     "layouts",
     "tensors",
     "collectives",  # the one bucketed flat collective
-    "copies",  # copies of a variable made equal from creation
     "stopping",  # ranks stop together
     "flat_shards",  # FSDP's flat all-gather / reduce-scatter of a group's shards
     "collective_counts",  # counting a step's collectives (tests, benchmarks)
     "replicas",
+    "agreement",  # ranks agree (fit / evaluate / predict, and each build)
+    "copies",  # copies of a variable made equal from creation
     "distribution_lib",
     "sharding_rules",
     "sharded_init",
@@ -54,7 +55,6 @@ LAYERS = [
     "boundary",
     "compiled",
     "saving",
-    "agreement",
     "trainer",
     "replica_start",
     "checkpoint._errors",
