@@ -1,73 +1,60 @@
-"""DTensor sharding rules that torch 2.13 lacks or gets wrong, for the ops
-Keras layers use with sharded weights.
+"""DTensor sharding rules torch lacks or gets wrong, for the ops Keras
+layers use with sharded weights. torch's own rules are used wherever it
+has them; this module changes only what is missing or wrong:
 
-- `aten.convolution` / `aten.convolution_backward`: torch's rule ignores how
-  the weight is sharded (the output of an output-channel-sharded kernel comes
-  back labelled Replicate while holding only the local channels). These rules
-  shard the output on channels for a kernel sharded on output channels, give
-  a partial sum for one sharded on input channels, and shard on the batch.
-- Attention: `aten._scaled_dot_product_flash_attention_for_cpu` (CPU) and
-  the CUDA `_scaled_dot_product_{flash,efficient,cudnn}_attention`, with
-  their `_backward`s: attention sharded on heads (or batch) keeps that
-  sharding, masks and biases included (torch has no CPU rule: DTensor
-  derived one by tracing the op's decomposition, on every new shape, and
-  under torch.compile's fake tensors for minutes; its cuDNN rule leaves the
+- Convolution: torch's single-dim strategies (2.13 and later) are right
+  and are used, weights sharded on channels included (gathered for the
+  op). What is taken out is torch's convolution handler (a halo exchange
+  for inputs sharded on their width, which no Keras layout produces): it
+  bypasses sharding propagation with an older rule that labels the output
+  of an output-channel-sharded kernel Replicate while it holds only the
+  local channels. torch>=2.14's `convolution_backward` strategy is fixed
+  for gradients nobody asked for (`_masked_gradients_left_out`).
+- Attention: `aten._scaled_dot_product_flash_attention_for_cpu` (CPU) and,
+  where torch has no single-dim strategy for them (2.13), the CUDA
+  `_scaled_dot_product_{flash,efficient,cudnn}_attention`, with their
+  `_backward`s: attention sharded on heads (or batch) keeps that sharding,
+  masks and biases included (torch has no CPU rule: DTensor derived one by
+  tracing the op's decomposition, on every new shape, and under
+  torch.compile's fake tensors for minutes; its 2.13 cuDNN rule leaves the
   bias out of the sharded strategies, `input_specs != strategies`).
 
-Registered once with torch's public `register_sharding` by `install()`, and
-taken out again by `uninstall()`, which puts back what torch had (its own
-rules and handlers). For convolution registering also takes out torch's own
-convolution handler (a halo exchange for inputs sharded on their width,
-which no Keras layout produces), which would otherwise bypass sharding
-rules altogether.
+Registered once with torch's public `register_sharding` by `install()`,
+and taken out again by `uninstall()`, which puts back what torch had (its
+own strategies and handlers).
 """
 
-from torch.distributed.tensor import Partial
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.experimental import register_sharding
+import dataclasses
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import register_sharding
 
 aten = torch.ops.aten
 
 
-def _conv_forward(input, weight, bias, stride, padding, dilation, transposed,
-                  output_padding, groups):
-    rest = [None] * 6
-    with_bias = bias is not None
-    options = [([Replicate()], [Replicate(), Replicate(), Replicate() if with_bias else None] + rest)]
-    if groups == 1 and not transposed:
-        # Output channels: dim 0 of the torch kernel (out, in, *spatial).
-        options.append(
-            ([Shard(1)], [Replicate(), Shard(0), Shard(0) if with_bias else None] + rest)
-        )
-        # Batch.
-        options.append(
-            ([Shard(0)], [Shard(0), Replicate(), Replicate() if with_bias else None] + rest)
-        )
-        if not with_bias:
-            # Input channels: partial sums over the channel shards.
-            options.append(([Partial()], [Shard(1), Shard(1), None] + rest))
-    return options
+def _masked_gradients_left_out(strategy):
+    """torch's single-dim strategy of `convolution_backward`, with the
+    gradients `output_mask` does not ask for left out (None). torch>=2.14
+    places grad_input and grad_bias whatever the mask says (grad_bias
+    whenever `bias_sizes` is given: autograd passes [0] for a convolution
+    without bias), while the all-Replicate strategy it adds leaves them
+    out; on a 2-D mesh the two meet and propagation fails ("strategy
+    position 0 mixes None with placements across mesh dims")."""
 
+    def strategy_without_masked_gradients(op, args_schema, kwargs_schema):
+        strategies = strategy(op, args_schema, kwargs_schema)
+        mask = args_schema[10] if len(args_schema) > 10 else kwargs_schema.get("output_mask")
+        if mask is None or all(mask):
+            return strategies
+        return [
+            [None if i < len(mask) and not mask[i] else p for i, p in enumerate(s)]
+            for s in strategies
+        ]
 
-def _conv_backward(grad_output, input, weight, bias_sizes, stride, padding,
-                   dilation, transposed, output_padding, groups, output_mask):
-    rest = [None] * 8
-    options = [([Replicate()] * 3, [Replicate()] * 3 + rest)]
-    if groups == 1 and not transposed:
-        options.append(
-            ([Partial(), Shard(0), Shard(0)], [Shard(1), Replicate(), Shard(0)] + rest)
-        )
-        options.append(
-            ([Shard(0), Partial(), Partial()], [Shard(0), Shard(0), Replicate()] + rest)
-        )
-        options.append(
-            ([Shard(1), Shard(1), Replicate()], [Replicate(), Shard(1), Shard(1)] + rest)
-        )
-    return options
+    return strategy_without_masked_gradients
 
 
 # ---------------------------------------------------------------------------
@@ -255,6 +242,7 @@ class Registration:
         self.active = False
         self.strategies = {}  # op -> torch's strategy function, or None
         self.schema_infos = {}  # op -> torch's RuntimeSchemaInfo, or None
+        self.single_dim = {}  # op -> torch's single-dim strategy
         self.handlers = {}  # op -> torch's custom op handler, or None
 
     def clear(self):
@@ -266,13 +254,23 @@ registration = Registration()
 
 def _dispatcher_tables():
     handlers = getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)
-    if handlers is None:
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    if handlers is None or not hasattr(propagator, "op_single_dim_strategy_funcs"):
         raise RuntimeError(
             f"torch {torch.__version__}: DTensor's op dispatcher has no "
-            "_custom_op_handlers; keras_torch_distribution supports "
-            "torch>=2.13,<2.16 (tested on 2.13.0 and 2.15.0). Install torch==2.15.0."
+            "_custom_op_handlers or single-dim strategies; keras_torch_distribution "
+            "supports torch>=2.13,<2.16 (tested on 2.13.0 and 2.15.0). "
+            "Install torch==2.15.0."
         )
-    return DTensor._op_dispatcher.sharding_propagator, handlers
+    return propagator, handlers
+
+
+def _with_strategy(info, make):
+    """torch's single-dim strategy `info` (a function, or a record holding
+    one in `.func`) with its function replaced by `make(function)`."""
+    if dataclasses.is_dataclass(info):
+        return dataclasses.replace(info, func=make(info.func))
+    return make(info)
 
 
 def register():
@@ -280,15 +278,19 @@ def register():
     if registration.active:
         return
     propagator, handlers = _dispatcher_tables()
+    single_dim = propagator.op_single_dim_strategy_funcs
     convolutions = (aten.convolution.default, aten.convolution_backward.default)
-    for op in (*convolutions, *_attention_ops()):
-        registration.strategies[op] = propagator.op_strategy_funcs.get(op)
-        registration.schema_infos[op] = propagator.op_to_schema_info.get(op)
     for op in convolutions:
         registration.handlers[op] = handlers.pop(op, None)
-    register_sharding(aten.convolution.default)(_conv_forward)
-    register_sharding(aten.convolution_backward.default)(_conv_backward)
+    backward = aten.convolution_backward.default
+    if backward in single_dim:
+        registration.single_dim[backward] = single_dim[backward]
+        single_dim[backward] = _with_strategy(single_dim[backward], _masked_gradients_left_out)
     for op in _attention_ops():
+        if op in single_dim:  # torch's own takes precedence over any rule
+            continue
+        registration.strategies[op] = propagator.op_strategy_funcs.get(op)
+        registration.schema_infos[op] = propagator.op_to_schema_info.get(op)
         register_sharding(op)(_attention_rule(op))
         _cache_by_kwarg_tensors(op)
     propagator.propagate_op_sharding.cache_clear()
@@ -296,7 +298,7 @@ def register():
 
 
 def unregister():
-    """Put back DTensor's own rules and handlers for the ops `register`
+    """Put back DTensor's own strategies and handlers for the ops `register`
     covered, and forget the sharding decisions cached with ours."""
     if not registration.active:
         return
@@ -304,6 +306,7 @@ def unregister():
     for table, saved in (
         (propagator.op_strategy_funcs, registration.strategies),
         (propagator.op_to_schema_info, registration.schema_infos),
+        (propagator.op_single_dim_strategy_funcs, registration.single_dim),
         (handlers, registration.handlers),
     ):
         for op, previous in saved.items():

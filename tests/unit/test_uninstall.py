@@ -38,6 +38,7 @@ def _dtensor_tables():
         op: (
             propagator.op_strategy_funcs.get(op),
             propagator.op_to_schema_info.get(op),
+            propagator.op_single_dim_strategy_funcs.get(op),
             dispatcher._custom_op_handlers.get(op),
         )
         for op in _RULE_OPS
@@ -52,15 +53,20 @@ def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
     keras_torch_distribution.uninstall()
     torch_own = _dtensor_tables()
     assert not _implicit_replication()
+    conv, backward, attention = _RULE_OPS
     # torch handles convolution with its own handler until we install.
-    assert torch_own[torch.ops.aten.convolution.default][2] is not None
+    assert torch_own[conv][3] is not None and torch_own[backward][3] is not None
 
     keras_torch_distribution.install()
     ours = _dtensor_tables()
     assert _implicit_replication()
-    for op in _RULE_OPS:
-        assert ours[op][0] is not torch_own[op][0], op
-    assert ours[torch.ops.aten.convolution.default][2] is None
+    # Its handlers are out; its own convolution strategies stay in use
+    # (the backward one wrapped); ours is registered for CPU attention,
+    # which torch has no strategy for.
+    assert ours[conv][3] is None and ours[backward][3] is None
+    assert ours[conv][:3] == torch_own[conv][:3]
+    assert ours[backward][2] is not torch_own[backward][2]
+    assert torch_own[attention][0] is None and ours[attention][0] is not None
 
     keras_torch_distribution.uninstall()
     assert _dtensor_tables() == torch_own
