@@ -180,7 +180,8 @@ def _code(text):
 
 
 def _kind(doing):
-    """"fit()" or "the build" of "the build of 2 variables (...)"."""
+    """What kind of thing `doing` is: "fit()" is itself, "the build of 2
+    variables (...)" is "the build"."""
     return doing.split(" of ", 1)[0]
 
 

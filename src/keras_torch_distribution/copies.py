@@ -19,8 +19,9 @@ and, when that call returns, made equal in flat broadcasts per process
 group (`collectives`), one bucketed broadcast per build, not one per
 variable. The broadcast starts with the all-gather of the agreement check
 (`agreement.compare`): a rank that builds another model than the others,
-or a model they never build, meets them there and every rank raises an
-error naming what each one was doing, instead of waiting forever.
+or a model they never build, meets them at their next build or fit /
+evaluate / predict, and every rank raises an error naming what each one
+was doing, instead of waiting forever in a broadcast.
 Variables whose initializer is a constant (zeros, ones: optimizer slots,
 metric states) are equal anyway and are marked so, without a broadcast.
 What is left -- variables created outside any layer call (a
