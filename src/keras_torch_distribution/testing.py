@@ -20,6 +20,8 @@ import tempfile
 import time
 import traceback
 
+from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
+
 WORKER_ENV = {
     "KERAS_BACKEND": "torch",
     "OMP_NUM_THREADS": "1",
@@ -59,10 +61,14 @@ def environment(values):
 
 
 def _worker(rank, world_size, rendezvous, initialize, connection):
-    """Worker loop: initialize, then run each function received."""
+    """Worker loop: initialize, then run each function received. Dies with
+    the process that started the pool (a killed pytest leaves none behind)."""
     import keras
 
     import keras_torch_distribution  # noqa: F401
+    from keras_torch_distribution.launch.__main__ import die_with_parent
+
+    die_with_parent()
 
     try:
         if initialize:
@@ -104,6 +110,7 @@ class ProcessGroupPool:
         self._processes = []
         self._connections = []
         self.env = dict(WORKER_ENV, **(env or {}))
+        self.env[PARENT_PID_VARIABLE] = str(os.getpid())
         context = multiprocessing.get_context("spawn")
         rendezvous = os.path.join(self._directory, "rendezvous")
         with environment(self.env):
