@@ -197,3 +197,76 @@ def test_keras_hub_llama_issues_a_few_collectives_per_block(pool2):
     }
     for counts in pool2.run(_count_one_step, layers, timeout=600):
         assert counts == expected, counts
+
+
+def _llama_output_projection_sharded(distributed, layers=2):
+    """keras_hub Llama under its own map plus a key that shards
+    `reverse_embeddings` on the batch axis (as benchmarks/scale.py does):
+    the token embedding layer then gathers in its first call (the lookup)
+    and its last (the output projection). fit 2 epochs of 2 steps; then,
+    distributed, one more step on this rank's rows, its collectives
+    counted."""
+    keras_hub = pytest.importorskip("keras_hub")
+    if distributed:
+        devices = keras.distribution.list_devices()
+        mesh = keras.distribution.DeviceMesh((2, 1), ["batch", "model"], devices)
+        layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+        layout_map["token_embedding/reverse_embeddings"] = ("batch", "model")
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+        )
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64, num_layers=layers, num_query_heads=2,
+        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+        tie_word_embeddings=False,
+    )
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[],
+    )
+    ids = np.random.default_rng(0).integers(1, 64, (8, 9))
+    x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((8, 8), bool)}
+    y = ids[:, 1:]
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    result = dict(
+        loss=history.history["loss"],
+        weights={v.path: np.asarray(v, "float32") for v in model.weights},
+    )
+    if distributed:
+        rank = torch.distributed.get_rank()
+        rows = slice(rank * 2, rank * 2 + 2)
+        batch = [({k: torch.as_tensor(v[rows]) for k, v in x.items()},
+                  torch.as_tensor(y[rows]))]
+        model.make_train_function()
+        with collective_counts.counting() as counts:
+            model.train_function(batch)
+        result["counts"] = counts
+    return result
+
+
+@pytest.mark.slow
+def test_a_layer_gathering_twice_per_forward_is_split(pool2):
+    """The token embedding gathers in the lookup and in the output
+    projection: after its first forward each call gathers only the
+    matrix it reads (not the whole layer twice), and the numbers are one
+    process's. Per step: the embeddings, each block and
+    `reverse_embeddings` gathered in forward; in backward
+    `reverse_embeddings` (a split layer is never kept) and every block
+    but the last; one reduce-scatter per block and per matrix; one
+    all-reduce (the norms' gradients with the metric states)."""
+    layers = 2
+    keras.backend.clear_session()
+    reference = _llama_output_projection_sharded(False, layers)
+    results = pool2.run(_llama_output_projection_sharded, True, layers, timeout=600)
+    for result in results:
+        np.testing.assert_allclose(result["loss"], reference["loss"], **TOL)
+        for path, value in reference["weights"].items():
+            np.testing.assert_allclose(result["weights"][path], value, err_msg=path, **TOL)
+        assert result["counts"] == {
+            "all_gather": (1 + layers + 1) + (1 + layers - 1),
+            "reduce_scatter": layers + 2,
+            "all_reduce": 1,
+        }, result["counts"]
