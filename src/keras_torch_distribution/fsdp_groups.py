@@ -30,8 +30,10 @@ the lookup first, the output projection with `reverse_embeddings` last)
 is split from then on: each of its variables is a bucket of its own,
 gathered on its first read in a call, so that each call gathers (and
 reduce-scatters) only what it uses, not the whole layer twice (for a
-Llama of vocabulary 32000 and width 2048, 250 MiB a matrix). It takes no
-part in the forward order (no prefetch, never kept for backward).
+Llama of vocabulary 32000 and width 2048, 250 MiB a matrix). Its calls
+have their places in the forward order, but it is never prefetched nor
+kept for backward; the group before it is then not the last either (the
+last block's weights are not held through the output projection).
 Variables that cannot travel flat (a dim sharded on the batch axis and on
 another axis) and variables read outside a group keep the per-variable
 DTensor gather of `fsdp`. Under torch.compile no group is formed: the
@@ -263,6 +265,8 @@ class _GroupCall:
             return None
         if self.spec.split:
             if where not in self.values:
+                if not self.values and state.forward is not None:
+                    state.forward.note(self.layer)
                 bucket = self.spec.buckets[where[0]]
                 self._take(where[0], bucket, bucket.start_gather(), fsdp.state.regatherer)
         elif not self.gathered:
@@ -344,6 +348,17 @@ class _ForwardOrder:
             return None
         return entry[1]
 
+    def note(self, layer):
+        """Note a call of a split layer (which is not prefetched) in the
+        order. Not a collective."""
+        position = len(self.seen)
+        if self.matching and (
+            position >= len(self.recorded) or self.recorded[position]() is not layer
+        ):
+            self.matching = False
+            self.drain()
+        self.seen.append(weakref.ref(layer))
+
     def has_seen(self, layer):
         """True when `layer` gathered as a group earlier in this call."""
         return any(ref() is layer for ref in self.seen)
@@ -375,6 +390,8 @@ class _ForwardOrder:
                 self.matching = False
                 self.drain()
                 return
+            if spec.split:
+                continue  # gathered on its own reads, in its call
             self.pending[ahead] = (spec, spec.start_gathers())
 
     def drain(self):
