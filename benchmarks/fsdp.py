@@ -77,7 +77,10 @@ launch's figure is the worse rank's, a case's the median over rounds.
 Ratios are keras / torch. Targets (issue 18): collectives per step at
 most FSDP2's, step time and peak memory at most 1.05x FSDP2's. `--profile`: 5 more steps after the timed
 ones under torch.profiler or cProfile, rank 0's table written to
-results/fsdp_profile_<case>_<how>.txt.
+results/fsdp_profile_<case>_<how>.txt (torch: sorted by BENCH_PROFILE_SORT,
+default cpu_time_total, e.g. self_cpu_time_total; cProfile: also the raw
+stats in results/fsdp_profile_<case>.pstats, and the callers of the
+functions matching the regex BENCH_PROFILE_CALLERS when set).
 Results: benchmarks/results/fsdp.json.
 """
 
@@ -199,7 +202,8 @@ def _profile(step, barrier, how, steps=5):
         with profile() as prof:
             for _ in range(steps):
                 step()
-        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=60)
+        table = prof.key_averages().table(
+            sort_by=os.environ.get("BENCH_PROFILE_SORT", "cpu_time_total"), row_limit=60)
     else:
         import cProfile
         import io
@@ -210,10 +214,16 @@ def _profile(step, barrier, how, steps=5):
         for _ in range(steps):
             step()
         profiler.disable()
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(_launch.RESULTS, exist_ok=True)
+            profiler.dump_stats(os.path.join(
+                _launch.RESULTS, f"fsdp_profile_{os.environ['BENCH_WORKER']}.pstats"))
         out = io.StringIO()
         stats = pstats.Stats(profiler, stream=out).sort_stats("cumulative")
         stats.print_stats(70)
         stats.sort_stats("tottime").print_stats(40)
+        if os.environ.get("BENCH_PROFILE_CALLERS"):
+            stats.print_callers(os.environ["BENCH_PROFILE_CALLERS"])
         table = out.getvalue()
     if torch.distributed.get_rank() == 0:
         os.makedirs(_launch.RESULTS, exist_ok=True)

@@ -24,6 +24,7 @@ from keras_torch_distribution import flat_shards
 from keras_torch_distribution import fsdp
 from keras_torch_distribution import fsdp_groups
 from keras_torch_distribution import layouts
+from keras_torch_distribution import metric_states
 from keras_torch_distribution import optimizer_update
 from keras_torch_distribution import random_slices
 from keras_torch_distribution import replica_start
@@ -246,6 +247,7 @@ def _state_objects():
         sharding_rules.registration,  # torch's own rules and handlers back
         variables.state,  # implicit replication off; no sharded variables seen
         trainer.optimizer_sync,  # overlapped reducers and their gradient hooks
+        metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,
         boundary.active_forward,
         fsdp.state,

@@ -97,6 +97,12 @@ def raw_value(variable):
     return getattr(variable, "_value", None)
 
 
+def raw_value_version(variable):
+    """The torch version counter of a variable's stored tensor: every
+    `assign` (an in-place copy) moves it on."""
+    return variable._value._version
+
+
 def set_raw_value(variable, tensor):
     """Store `tensor` as the variable's value, as Keras' torch backend does."""
     variable._value = tensor

@@ -55,12 +55,14 @@ class FlatBucket:
         self.flat = torch.cat([t.reshape(-1) for t in self.tensors])
         self.work = None
 
-    def all_reduce(self, group, scale=1.0, async_op=False):
+    def all_reduce(self, group, scale=1.0, async_op=False, scaled_numel=None):
         """Sum `flat` over `group`, each rank's first multiplied by `scale`
-        (1 / replicas for a mean); with `async_op`, `wait()` before
-        reading it. Returns self. Collective: call on every rank."""
+        (1 / replicas for a mean; only its first `scaled_numel` elements
+        when given); with `async_op`, `wait()` before reading it. Returns
+        self. Collective: call on every rank."""
         if scale != 1.0:
-            self.flat.mul_(scale)
+            scaled = self.flat if scaled_numel is None else self.flat[:scaled_numel]
+            scaled.mul_(scale)
         self.work = dist.all_reduce(self.flat, group=group, async_op=async_op)
         return self
 
@@ -89,12 +91,29 @@ class FlatBucket:
             offset += n
 
 
-def all_reduce(tensors, group, scale=1.0, bucket_bytes=SYNC_BUCKET_BYTES):
+def all_reduce(tensors, group, scale=1.0, bucket_bytes=SYNC_BUCKET_BYTES,
+               unscaled=()):
     """Sum `tensors` in place over `group`, each rank's first multiplied by
     `scale` (1 / replicas for a mean), in flat buckets of `bucket_bytes`
-    (None: one per dtype and device). Collective: call on every rank."""
-    for bucket in buckets(tensors, bucket_bytes):
-        FlatBucket(bucket).all_reduce(group, scale).copy_back()
+    (None: one per dtype and device). `unscaled` tensors (one dtype and
+    device) are summed too, not scaled, in the last bucket of their kind
+    (one of their own if there is none). Collective: call on every rank."""
+    unscaled = list(unscaled)
+    bucketed = buckets(tensors, bucket_bytes)
+    kind = (unscaled[0].dtype, unscaled[0].device) if unscaled else None
+    carrier = None
+    for index, bucket in enumerate(bucketed):
+        if (bucket[0].dtype, bucket[0].device) == kind:
+            carrier = index
+    if unscaled and carrier is None:
+        bucketed.append([])
+        carrier = len(bucketed) - 1
+    for index, bucket in enumerate(bucketed):
+        extra = unscaled if index == carrier else []
+        scaled_numel = sum(t.numel() for t in bucket)
+        FlatBucket(bucket + extra).all_reduce(
+            group, scale, scaled_numel=scaled_numel if extra else None
+        ).copy_back()
 
 
 def broadcast(tensors, source, group, bucket_bytes=SYNC_BUCKET_BYTES):

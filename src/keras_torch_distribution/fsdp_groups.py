@@ -25,6 +25,15 @@ Per call of a group, on the first read of one of its variables:
             first multiplied by its replica's share of the batch), when
             autograd has all of them (`_GroupGather.backward`), which also
             lets go of the group's regathered weights.
+A layer that gathers twice in one forward (keras_hub's token embedding:
+the lookup first, the output projection with `reverse_embeddings` last)
+is split from then on: each of its variables is a bucket of its own,
+gathered on its first read in a call, so that each call gathers (and
+reduce-scatters) only what it uses, not the whole layer twice (for a
+Llama of vocabulary 32000 and width 2048, 250 MiB a matrix). Its calls
+have their places in the forward order, but it is never prefetched nor
+kept for backward; the group before it is then not the last either (the
+last block's weights are not held through the output projection).
 Variables that cannot travel flat (a dim sharded on the batch axis and on
 another axis) and variables read outside a group keep the per-variable
 DTensor gather of `fsdp`. Under torch.compile no group is formed: the
@@ -62,6 +71,9 @@ class GroupsState:
         self.orders = weakref.WeakKeyDictionary()
         # The _ForwardOrder of the outermost call in progress.
         self.forward = None
+        # Layers that gathered twice in one forward: split (see the module
+        # docstring), layer -> True.
+        self.repeated = weakref.WeakKeyDictionary()
 
 
 state = GroupsState()
@@ -101,13 +113,17 @@ class _Bucket:
 
 
 class _GroupSpec:
-    """A group's buckets, and where each variable is in them."""
+    """A group's buckets, and where each variable is in them; `split`: one
+    bucket per variable, each gathered on its own first read."""
 
-    def __init__(self, members):
+    def __init__(self, members, split=False):
+        self.split = split
         by_kind = {}
         for variable, plan in members:
             value = _keras.raw_value(variable)
             kind = (id(plan.mesh), plan.axis, value.dtype, value.device)
+            if split:
+                kind = id(variable)
             by_kind.setdefault(kind, []).append((variable, plan))
         self.buckets = [_Bucket(m) for m in by_kind.values()]
         self.index = {}  # id(variable) -> (bucket index, member index)
@@ -124,7 +140,8 @@ def spec_for(layer, policy):
     """The _GroupSpec of `layer` under `policy`, None when it holds no
     variable that can travel in a flat gather."""
     candidates = layer.weights if policy == "block" else _keras.own_variables(layer)
-    key = tuple(id(_keras.raw_value(v)) for v in candidates)
+    split = layer in state.repeated
+    key = (split,) + tuple(id(_keras.raw_value(v)) for v in candidates)
     cached = state.specs.get(layer)
     if cached is not None and cached[0] == policy and cached[1] == key:
         return cached[2]
@@ -143,7 +160,7 @@ def spec_for(layer, policy):
             continue
         seen.add(id(variable))
         members.append((variable, plan))
-    spec = _GroupSpec(members) if members else None
+    spec = _GroupSpec(members, split) if members else None
     state.specs[layer] = (policy, key, spec)
     return spec
 
@@ -233,8 +250,9 @@ class _GroupCall:
     def __init__(self, layer, spec):
         self.layer = layer
         self.spec = spec
-        self.values = None  # (bucket, member) -> gathered value
-        self.sources = []  # per bucket, for the regatherer
+        self.values = {}  # (bucket, member) -> gathered value
+        self.gathered = False  # every bucket gathered (a group not split)
+        self.sources = {}  # bucket index -> its _BucketSource, for the regatherer
         self.casts = {}  # ((bucket, member), dtype) -> the value cast
         self.keep = False  # keep the gathered weights for backward
 
@@ -245,7 +263,13 @@ class _GroupCall:
         where = self.spec.index.get(id(variable))
         if where is None:
             return None
-        if self.values is None:
+        if self.spec.split:
+            if where not in self.values:
+                if not self.values and state.forward is not None:
+                    state.forward.note(self.layer)
+                bucket = self.spec.buckets[where[0]]
+                self._take(where[0], bucket, bucket.start_gather(), fsdp.state.regatherer)
+        elif not self.gathered:
             self._gather()
         value = self.values[where]
         if value.dtype == dtype:
@@ -266,27 +290,32 @@ class _GroupCall:
         if forward is not None:
             self.keep = forward.is_last(self.layer)
         regatherer = None if self.keep else fsdp.state.regatherer
-        grad = torch.is_grad_enabled()
-        self.values = {}
+        self.gathered = True
         for b, (bucket, flat) in enumerate(zip(self.spec.buckets, flats)):
-            stored = bucket.stored()
-            source = _BucketSource(bucket, stored)
-            self.sources.append(source)
-            shards = [s.to_local() for s in stored]
-            if grad and any(s.requires_grad for s in shards):
-                factor = replicas.batch_scale() / bucket.ranks
-                outputs = _GroupGather.apply(source, flat, factor, *shards)
-            else:
-                outputs = flat.take()
-            for m, (local, plan) in enumerate(zip(outputs, bucket.plans)):
-                value = local if plan.plain else plan.as_model_dtensor(local)
-                self.values[(b, m)] = value
-                if regatherer is not None and local.requires_grad:
-                    regatherer.register(value, source, (m, None))
+            self._take(b, bucket, flat, regatherer)
         if forward is not None:
             # After this group's copy-out, so that its flat buffer is gone
             # before the next group's is made.
             forward.advance(self.layer)
+
+    def _take(self, b, bucket, flat, regatherer):
+        """Bucket `b`'s gathered values from its gather `flat` in flight,
+        differentiable (its gradients reduce-scattered in one flat buffer),
+        registered with `regatherer` (None: kept for backward)."""
+        stored = bucket.stored()
+        source = _BucketSource(bucket, stored)
+        self.sources[b] = source
+        shards = [s.to_local() for s in stored]
+        if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
+            factor = replicas.batch_scale() / bucket.ranks
+            outputs = _GroupGather.apply(source, flat, factor, *shards)
+        else:
+            outputs = flat.take()
+        for m, (local, plan) in enumerate(zip(outputs, bucket.plans)):
+            value = local if plan.plain else plan.as_model_dtensor(local)
+            self.values[(b, m)] = value
+            if regatherer is not None and local.requires_grad:
+                regatherer.register(value, source, (m, None))
 
 
 class _ForwardOrder:
@@ -319,6 +348,21 @@ class _ForwardOrder:
             return None
         return entry[1]
 
+    def note(self, layer):
+        """Note a call of a split layer (which is not prefetched) in the
+        order. Not a collective."""
+        position = len(self.seen)
+        if self.matching and (
+            position >= len(self.recorded) or self.recorded[position]() is not layer
+        ):
+            self.matching = False
+            self.drain()
+        self.seen.append(weakref.ref(layer))
+
+    def has_seen(self, layer):
+        """True when `layer` gathered as a group earlier in this call."""
+        return any(ref() is layer for ref in self.seen)
+
     def is_last(self, layer):
         """True when `layer`, gathering now, is the last group of the
         recorded order (its gathered weights are kept for backward)."""
@@ -346,6 +390,8 @@ class _ForwardOrder:
                 self.matching = False
                 self.drain()
                 return
+            if spec.split:
+                continue  # gathered on its own reads, in its call
             self.pending[ahead] = (spec, spec.start_gathers())
 
     def drain(self):
@@ -386,6 +432,8 @@ def group_scope(layer):
     if policy == "block" and (fsdp.state.groups or isinstance(layer, keras.Model)):
         yield
         return
+    if state.forward is not None and state.forward.has_seen(layer):
+        state.repeated[layer] = True  # gathers twice per forward: split
     spec = spec_for(layer, policy)
     if spec is None:
         yield

@@ -3,7 +3,8 @@
 Replaces, through the seam, `Optimizer.apply` (gradients are aligned to
 their variables and averaged over data-parallel replicas),
 `Model.get_metrics_result` (metric states are summed over replicas before
-results are computed) and fit / evaluate / predict (logs and files from
+results are computed, in the step's gradient all-reduce when it has one:
+`metric_states`) and fit / evaluate / predict (logs and files from
 rank 0); gathers the predictions of every replica, in order, for the
 predict step (`replica_start.make_step_function`). The model boundary is
 `boundary.py`, jit_compile `compiled.py`.
@@ -21,6 +22,7 @@ from keras_torch_distribution import agreement
 from keras_torch_distribution import boundary
 from keras_torch_distribution import collectives
 from keras_torch_distribution import gradients
+from keras_torch_distribution import metric_states
 from keras_torch_distribution import overlap
 from keras_torch_distribution import replicas
 from keras_torch_distribution import runtime
@@ -117,7 +119,13 @@ def _synchronize(optimizer, grads, variables_, group):
         accumulators = _keras.gradient_accumulators(optimizer, kept)
         local += [tensors.local_part(_keras.raw_value(a)) for a in accumulators]
         scale = 1.0
-    collectives.all_reduce(local, group.group, scale / group.count)
+    # The step's metric states ride along (`metric_states`): no all-reduce
+    # of their own at the step's end.
+    folded = metric_states.foldable(optimizer, group, local)
+    collectives.all_reduce(local, group.group, scale / group.count,
+                           unscaled=folded[2] if folded else ())
+    if folded:
+        metric_states.record(folded, group)
 
 
 def _overlapped_reducer(optimizer, variables, group):
@@ -152,7 +160,8 @@ def metrics_result(original, model):
         return original(model)
     metrics = list(model.metrics)
     states = [v for m in metrics for v in m.variables]
-    reduced = _reduce_states(states, group)
+    reduced = metric_states.reduced_states(states, group)
+    metric_states.remember(model)
     results = {}
     start = 0
     for metric in metrics:
@@ -164,26 +173,6 @@ def metrics_result(original, model):
         else:
             results[metric.name] = result
     return results
-
-
-def _reduce_states(states, group):
-    """Each state in float64, weighted by its aggregation, summed over the
-    replicas in one flat all-reduce; back in its own dtype."""
-    values = [boundary.plain(v.value).detach() for v in states]
-    weighted = [
-        v.to(torch.float64) * _state_weight(s, group) for v, s in zip(values, states)
-    ]
-    collectives.all_reduce(weighted, group.group, bucket_bytes=None)
-    return [w.to(v.dtype) for w, v in zip(weighted, values)]
-
-
-def _state_weight(variable, group):
-    aggregation = variable.aggregation
-    if aggregation == "mean":
-        return 1.0 / group.count
-    if aggregation == "only_first_replica":
-        return 1.0 if group.index == 0 else 0.0
-    return 1.0  # "sum" (Keras metrics' default) and "none"
 
 
 def gather_predictions(outputs):

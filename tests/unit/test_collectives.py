@@ -42,3 +42,32 @@ def test_copy_back_skips_missing_targets():
     assert torch.equal(a, torch.arange(4.0).reshape(2, 2))
     bucket.copy_back()
     assert torch.equal(a, 10 * torch.arange(4.0).reshape(2, 2))
+
+
+def test_unscaled_tensors_ride_in_the_last_bucket_of_their_kind(monkeypatch):
+    """The metric states' fold (`metric_states`): summed with the
+    gradients' last float32 bucket, not scaled; no collective of their own."""
+    calls = []
+    monkeypatch.setattr(
+        collectives.dist, "all_reduce",
+        lambda flat, group=None, async_op=False: calls.append(flat.numel()),
+    )
+    grads = [torch.ones(1024), torch.ones(1024), torch.ones(8, dtype=torch.float16)]
+    states = [torch.full((2,), 3.0)]
+    collectives.all_reduce(grads, None, scale=0.5, bucket_bytes=4096, unscaled=states)
+    # float32 cut after each 4 KiB gradient; the states join the second.
+    assert calls == [1024, 1026, 8]
+    assert torch.equal(grads[0], torch.full((1024,), 0.5))
+    assert torch.equal(grads[1], torch.full((1024,), 0.5))
+    assert torch.equal(states[0], torch.full((2,), 3.0))
+
+
+def test_unscaled_tensors_without_a_bucket_of_their_kind_get_their_own(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        collectives.dist, "all_reduce",
+        lambda flat, group=None, async_op=False: calls.append(flat.dtype),
+    )
+    collectives.all_reduce([torch.ones(4, dtype=torch.float16)], None,
+                           unscaled=[torch.ones(2)])
+    assert calls == [torch.float16, torch.float32]

@@ -55,6 +55,7 @@ LAYERS = [
     "boundary",
     "compiled",
     "saving",
+    "metric_states",  # metric states summed, in the gradient all-reduce when it can
     "trainer",
     "replica_start",
     "checkpoint._errors",
