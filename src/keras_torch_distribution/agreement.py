@@ -185,13 +185,17 @@ def _kind(doing):
     return doing.split(" of ", 1)[0]
 
 
-def _different_programs(doings):
+def _sides(values):
+    """Ranks grouped by their value: "ranks [0]: a; ranks [1, 2]: b"."""
     groups = {}
-    for rank, doing in enumerate(doings):
-        groups.setdefault(doing, []).append(rank)
-    sides = "; ".join(f"ranks {ranks}: {doing}" for doing, ranks in groups.items())
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+
+
+def _different_programs(doings):
     return (
-        f"Ranks are running different programs: {sides}. Under a distribution, "
+        f"Ranks are running different programs: {_sides(doings)}. Under a distribution, "
         "every rank must build the same models in the same order and call "
         "fit / evaluate / predict together (building a model on some ranks "
         "only makes a collective that the others never join). Make the "
@@ -211,12 +215,8 @@ def first_difference(descriptions, doing):
         values = [d.get(name, "<absent>") for d in descriptions]
         if len(set(values)) == 1:
             continue
-        groups = {}
-        for rank, value in enumerate(values):
-            groups.setdefault(value, []).append(rank)
-        sides = "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
         return (
-            f"{doing} differs between ranks in {name}: {sides}. Every rank "
+            f"{doing} differs between ranks in {name}: {_sides(values)}. Every rank "
             "must run the same program on the same distribution, model and "
             "input sizes (per-process inputs with auto_shard_dataset=False "
             "must have the same number of rows on every rank). Make the "
