@@ -375,7 +375,7 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
     x, y = (torch.as_tensor(_rows(a, replica, replicas))
             for a in _global_arrays(model_kind))
     if model_kind == "llama":
-        step = _token_step(model, optimizer, x.long(), y.long())
+        step = llama_shapes.torch_train_step(model, optimizer, x.long(), y.long())
     else:
         step = _launch.torch_step(model, optimizer, x, y)
     step()  # as Keras' one fit step: builds Adam's state
@@ -398,22 +398,6 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
     _launch.write_rank_result(result)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _token_step(model, optimizer, x, y):
-    """A raw-torch causal-LM training step: next-token cross-entropy from
-    logits (Keras' SparseCategoricalCrossentropy(from_logits=True))."""
-    import torch.nn.functional as F
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        step.last_loss = loss
-
-    return step
 
 
 def worker(case):

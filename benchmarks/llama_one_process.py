@@ -80,7 +80,6 @@ def _keras_step(mode):
 def _torch_step():
     import llama_shapes
     import torch
-    import torch.nn.functional as F
 
     torch.manual_seed(0)
     model = llama_shapes.torch_causal_lm()
@@ -88,14 +87,7 @@ def _torch_step():
     x, y = llama_shapes.arrays()
     rows = llama_shapes.GLOBAL_BATCH // 2
     x, y = torch.as_tensor(x[:rows]), torch.as_tensor(y[:rows]).long()
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        optimizer.step()
-
+    step = llama_shapes.torch_train_step(model, optimizer, x, y)
     step()
     return step
 

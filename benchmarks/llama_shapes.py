@@ -96,3 +96,20 @@ def torch_causal_lm():
             return self.output(self.norm(x))
 
     return CausalLM()
+
+
+def torch_train_step(model, optimizer, x, y):
+    """A raw-torch causal-LM training step: next-token cross-entropy from
+    logits (Keras' SparseCategoricalCrossentropy(from_logits=True)); the
+    step's loss is kept in `step.last_loss`."""
+    import torch.nn.functional as F
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        step.last_loss = loss
+
+    return step
