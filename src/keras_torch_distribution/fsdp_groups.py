@@ -251,7 +251,6 @@ class _GroupCall:
         self.layer = layer
         self.spec = spec
         self.values = {}  # (bucket, member) -> gathered value
-        self.gathered = False  # every bucket gathered (a group not split)
         self.sources = {}  # bucket index -> its _BucketSource, for the regatherer
         self.casts = {}  # ((bucket, member), dtype) -> the value cast
         self.keep = False  # keep the gathered weights for backward
@@ -269,7 +268,7 @@ class _GroupCall:
                     state.forward.note(self.layer)
                 bucket = self.spec.buckets[where[0]]
                 self._take(where[0], bucket, bucket.start_gather(), fsdp.state.regatherer)
-        elif not self.gathered:
+        elif not self.values:  # a group not split gathers every bucket at once
             self._gather()
         value = self.values[where]
         if value.dtype == dtype:
@@ -290,7 +289,6 @@ class _GroupCall:
         if forward is not None:
             self.keep = forward.is_last(self.layer)
         regatherer = None if self.keep else fsdp.state.regatherer
-        self.gathered = True
         for b, (bucket, flat) in enumerate(zip(self.spec.buckets, flats)):
             self._take(b, bucket, flat, regatherer)
         if forward is not None:

@@ -265,14 +265,6 @@ def _dispatcher_tables():
     return propagator, handlers
 
 
-def _with_strategy(info, make):
-    """torch's single-dim strategy `info` (a function, or a record holding
-    one in `.func`) with its function replaced by `make(function)`."""
-    if dataclasses.is_dataclass(info):
-        return dataclasses.replace(info, func=make(info.func))
-    return make(info)
-
-
 def register():
     """Register the rules with DTensor (once per process until `unregister`)."""
     if registration.active:
@@ -284,8 +276,11 @@ def register():
         registration.handlers[op] = handlers.pop(op, None)
     backward = aten.convolution_backward.default
     if backward in single_dim:
-        registration.single_dim[backward] = single_dim[backward]
-        single_dim[backward] = _with_strategy(single_dim[backward], _masked_gradients_left_out)
+        torch_own = single_dim[backward]  # a record of the function and its options
+        registration.single_dim[backward] = torch_own
+        single_dim[backward] = dataclasses.replace(
+            torch_own, func=_masked_gradients_left_out(torch_own.func)
+        )
     for op in _attention_ops():
         if op in single_dim:  # torch's own takes precedence over any rule
             continue
