@@ -182,15 +182,24 @@ def reduce_scatter(layout, grads, group, scale, dtype, device, shard_shapes):
     gradient: 250 MiB for a 32000-word output projection of width 2048),
     and the sum is scaled instead (the same for 1 / replicas of a power of
     two; otherwise it may differ in the last bit)."""
-    out = torch.empty(layout.per_rank, dtype=dtype, device=device)
     if _in_rank_order(layout, grads, dtype):
+        out = torch.empty(layout.per_rank, dtype=dtype, device=device)
         dist.reduce_scatter_tensor(out, grads[0].reshape(-1), group=group)
         if scale != 1.0:
             out.mul_(scale)
         return layout.shards_of(out, shard_shapes)
-    flat = layout.scatter_input(grads, dtype, device)
+    return reduce_scatter_flat(
+        layout, layout.scatter_input(grads, dtype, device), group, scale, shard_shapes
+    )
+
+
+def reduce_scatter_flat(layout, flat, group, scale, shard_shapes):
+    """This rank's shards of the sum over `group` of every rank's `flat`
+    (the `ranks * per_rank` rank-major input, scaled here in place by
+    `scale`). Collective: call on every rank."""
     if scale != 1.0:
         flat.mul_(scale)
+    out = torch.empty(layout.per_rank, dtype=flat.dtype, device=flat.device)
     dist.reduce_scatter_tensor(out, flat, group=group)
     return layout.shards_of(out, shard_shapes)
 

@@ -51,6 +51,7 @@ from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
 from keras_torch_distribution import flat_shards
 from keras_torch_distribution import fsdp
+from keras_torch_distribution import lookup_gradients
 from keras_torch_distribution import replicas
 from keras_torch_distribution import tensors
 from keras_torch_distribution import variables
@@ -99,6 +100,11 @@ class _Bucket:
             [p.shape[p.dim] for p in self.plans],
             self.ranks,
         )
+        # A lookup of its one weight (a plain tensor once gathered) makes
+        # its gradient rank-major itself.
+        self.lookup_eligible = first.plain and lookup_gradients.eligible(
+            self.layout, [p.shape for p in self.plans]
+        )
 
     def stored(self):
         return [_keras.raw_value(v) for v in self.variables]
@@ -126,6 +132,7 @@ class _GroupSpec:
                 kind = id(variable)
             by_kind.setdefault(kind, []).append((variable, plan))
         self.buckets = [_Bucket(m) for m in by_kind.values()]
+        self.has_lookups = any(b.lookup_eligible for b in self.buckets)
         self.index = {}  # id(variable) -> (bucket index, member index)
         for b, bucket in enumerate(self.buckets):
             for m, variable in enumerate(bucket.variables):
@@ -254,6 +261,9 @@ class _GroupCall:
         self.sources = {}  # bucket index -> its _BucketSource, for the regatherer
         self.casts = {}  # ((bucket, member), dtype) -> the value cast
         self.keep = False  # keep the gathered weights for backward
+        # id(gathered value) -> lookup_gradients.Lookup, for the values an
+        # embedding lookup may read (see lookup_gradients).
+        self.lookups = {}
 
     def value_for(self, variable, dtype):
         """`variable`'s gathered value in `dtype` (Keras' autocast), or
@@ -276,6 +286,11 @@ class _GroupCall:
         cast = self.casts.get((where, dtype))
         if cast is None:
             cast = self.casts[(where, dtype)] = value.to(dtype)
+            lookup = self.lookups.get(id(value))
+            if lookup is not None:
+                self.lookups[id(cast)] = lookup_gradients.Lookup(
+                    cast, lookup.bucket, lookup.shard, lookup.factor
+                )
             regatherer = fsdp.state.regatherer
             if regatherer is not None and not self.keep and cast.requires_grad:
                 regatherer.register(cast, self.sources[where[0]], (where[1], dtype))
@@ -307,6 +322,10 @@ class _GroupCall:
         if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
             factor = replicas.batch_scale() / bucket.ranks
             outputs = _GroupGather.apply(source, flat, factor, *shards)
+            if bucket.lookup_eligible:
+                self.lookups[id(outputs[0])] = lookup_gradients.Lookup(
+                    outputs[0], bucket, shards[0], factor
+                )
         else:
             outputs = flat.take()
         for m, (local, plan) in enumerate(zip(outputs, bucket.plans)):
@@ -438,7 +457,9 @@ def group_scope(layer):
         return
     call = _GroupCall(layer, spec)
     fsdp.state.groups.append(call)
+    lookups = lookup_gradients.lookups(call.lookups) if spec.has_lookups else None
     try:
-        yield
+        with lookups or contextlib.nullcontext():
+            yield
     finally:
         fsdp.state.groups.pop()

@@ -16,6 +16,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from keras_torch_distribution import collective_counts  # noqa: E402
 from keras_torch_distribution import testing  # noqa: E402
@@ -235,16 +236,30 @@ def _llama_output_projection_sharded(distributed, layers=2):
         loss=history.history["loss"],
         weights={v.path: np.asarray(v, "float32") for v in model.weights},
     )
+    rows = slice(0, 2)
     if distributed:
         rank = torch.distributed.get_rank()
         rows = slice(rank * 2, rank * 2 + 2)
-        batch = [({k: torch.as_tensor(v[rows]) for k, v in x.items()},
-                  torch.as_tensor(y[rows]))]
-        model.make_train_function()
-        with collective_counts.counting() as counts:
-            model.train_function(batch)
-        result["counts"] = counts
+    batch = [({k: torch.as_tensor(v[rows]) for k, v in x.items()},
+              torch.as_tensor(y[rows]))]
+    model.make_train_function()
+    with collective_counts.counting() as counts, _AtenOps() as ops:
+        model.train_function(batch)
+    result["counts"] = counts
+    result["ops"] = ops.seen
     return result
+
+
+class _AtenOps(TorchDispatchMode):
+    """The names of the aten ops run (forward and backward) in the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.slow
@@ -271,3 +286,9 @@ def test_a_layer_gathering_twice_per_forward_is_split(pool2):
             "reduce_scatter": layers + 2,
             "all_reduce": 1,
         }, result["counts"]
+        # The lookup's gradient is made in the reduce-scatter's rank-major
+        # order (lookup_gradients), never as autograd's dense gradient of
+        # the (vocabulary, hidden) matrix, which one process makes.
+        assert "embedding_dense_backward" not in result["ops"]
+        assert "index_add_" in result["ops"]
+    assert "embedding_dense_backward" in reference["ops"]

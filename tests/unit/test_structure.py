@@ -34,6 +34,7 @@ LAYERS = [
     "collectives",  # the one bucketed flat collective
     "stopping",  # ranks stop together
     "flat_shards",  # FSDP's flat all-gather / reduce-scatter of a group's shards
+    "lookup_gradients",  # an embedding's gradient made in rank-major order
     "collective_counts",  # counting a step's collectives (tests, benchmarks)
     "replicas",
     "agreement",  # ranks agree (fit / evaluate / predict, and each build)
