@@ -113,7 +113,7 @@ class Sampler:
         self._stop = threading.Event()
         self.phase_peak = 0
         self.mark_peak = 0
-        self.marks = []  # (label, peak RSS since the previous mark, RSS now)
+        self.marks = []  # (label, peak RSS since the previous mark, RSS now, _heap())
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -159,7 +159,7 @@ class Sampler:
         with self._lock:
             peak = max(self.mark_peak, rss)
             self.mark_peak = rss
-        self.marks.append((label, peak, rss))
+        self.marks.append((label, peak, rss, _heap()))
 
     def stop(self):
         self._stop.set()
@@ -190,8 +190,8 @@ class Phases:
         result = action()
         self.seconds[name] = time.perf_counter() - started
         self.peaks[name] = self.sampler.end_phase() - self.baseline
-        self.marks[name] = [(label, peak - self.baseline, rss - self.baseline)
-                            for label, peak, rss in self.sampler.marks]
+        self.marks[name] = [(label, peak - self.baseline, rss - self.baseline, heap)
+                            for label, peak, rss, heap in self.sampler.marks]
         _write_partial(dict(self.more(), case=self.case, rank=self.rank,
                             peak_above_baseline=self.peaks, seconds=self.seconds))
         return result
@@ -345,6 +345,27 @@ def _write_partial(result):
     if directory:
         with open(os.path.join(directory, f"rank{result['rank']}.json"), "w") as f:
             json.dump(result, f)
+
+
+def _heap():
+    """glibc's mallinfo2, in bytes: `heap` (taken from the system by
+    every arena, not mmapped), `heap_in_use`, `heap_free` (resident or
+    not) and `mmapped` (blocks of their own); {} elsewhere."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+            "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return {}
+    info = libc.mallinfo2()
+    return dict(heap=info.arena, heap_in_use=info.uordblks,
+                heap_free=info.fordblks, mmapped=info.hblkhd)
 
 
 def _malloc_trim():

@@ -73,27 +73,49 @@ class FlatLayout:
             target.narrow(piece.dim, 0, shard.shape[piece.dim]).copy_(shard)
 
     def copy_out(self, gathered):
-        """The whole tensors (contiguous, each its own storage) from the
-        `ranks * per_rank` elements of an all-gather."""
+        """The whole tensors (contiguous) from the `ranks * per_rank`
+        elements of an all-gather. A tensor sharded on dim 0 without
+        padding is a view of `gathered`; the others are copied into one
+        buffer made for them all (one allocation per group: under glibc,
+        blocks above its mmap threshold are returned to the system when
+        freed, where tensors of a few MiB each would stay in the heap and
+        be split by the activations allocated after them)."""
         rows = gathered.view(self.ranks, self.per_rank)
-        outputs = []
+        copied = [p for p in self.pieces if not self._is_view(p)]
+        slab = torch.empty(
+            sum(math.prod(p.gathered_shape) for p in copied),
+            dtype=gathered.dtype,
+            device=gathered.device,
+        )
+        outputs, start = [], 0
         for piece in self.pieces:
             pieces = rows[:, piece.offset : piece.offset + piece.numel].view(
                 (self.ranks,) + piece.padded_shape
             )
-            if piece.full_size == piece.chunk * self.ranks:
-                merged = pieces.movedim(0, piece.dim).reshape(piece.gathered_shape)
-                outputs.append(merged.contiguous())
+            if self._is_view(piece):
+                outputs.append(pieces.reshape(piece.gathered_shape))
                 continue
-            whole = torch.empty(piece.gathered_shape, dtype=gathered.dtype, device=gathered.device)
-            for rank in range(self.ranks):
-                n = piece.rows_of(rank)
-                if n:
-                    whole.narrow(piece.dim, rank * piece.chunk, n).copy_(
-                        pieces[rank].narrow(piece.dim, 0, n)
-                    )
+            size = math.prod(piece.gathered_shape)
+            whole = slab[start : start + size].view(piece.gathered_shape)
+            start += size
+            if piece.full_size == piece.chunk * self.ranks:
+                whole.unflatten(piece.dim, (self.ranks, piece.chunk)).copy_(
+                    pieces.movedim(0, piece.dim)
+                )
+            else:
+                for rank in range(self.ranks):
+                    n = piece.rows_of(rank)
+                    if n:
+                        whole.narrow(piece.dim, rank * piece.chunk, n).copy_(
+                            pieces[rank].narrow(piece.dim, 0, n)
+                        )
             outputs.append(whole)
         return outputs
+
+    def _is_view(self, piece):
+        """True when `piece` gathered is a view of the all-gather's output
+        (sharded on dim 0, no padding)."""
+        return piece.dim == 0 and piece.full_size == piece.chunk * self.ranks
 
     def scatter_input(self, grads, dtype, device):
         """The `ranks * per_rank` input of the gradients' reduce-scatter: each
