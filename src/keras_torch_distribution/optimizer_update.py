@@ -48,6 +48,7 @@ def adam_update(original, optimizer, grads, keras_variables, learning_rate):
     beta_2_power = keras.ops.power(keras.ops.cast(optimizer.beta_2, dtype), local_step)
     alpha = lr * keras.ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     beta_1, beta_2, epsilon = optimizer.beta_1, optimizer.beta_2, optimizer.epsilon
+    scratches = _Scratches()
     for index, (value, grad) in enumerate(zip(values, grads)):
         slots = [momentums[index], velocities[index]]
         if velocity_hats is not None:
@@ -58,7 +59,7 @@ def adam_update(original, optimizer, grads, keras_variables, learning_rate):
         value, grad, m, v = blocks[:4]
         m.mul_(beta_1)
         m.add_(grad, alpha=1 - beta_1)
-        scratch = torch.mul(grad, grad)
+        scratch = torch.mul(grad, grad, out=scratches.like(0, grad))
         v.mul_(beta_2)
         v.add_(scratch, alpha=1 - beta_2)
         if velocity_hats is not None:
@@ -70,6 +71,30 @@ def adam_update(original, optimizer, grads, keras_variables, learning_rate):
         else:
             denominator = torch.sqrt(v)
         denominator.add_(epsilon)
-        update = torch.mul(m, alpha)
+        update = torch.mul(m, alpha, out=scratches.like(1, m))
         update.div_(denominator)
         value.add_(update, alpha=-1)
+
+
+class _Scratches:
+    """The update's two scratch tensors, views of buffers kept for the whole
+    update (grown to the largest block): one allocation each per update,
+    not one per variable (whose few-MiB blocks glibc would keep in its
+    heap, split by the tensors allocated after them)."""
+
+    def __init__(self):
+        self.buffers = {}  # (slot, dtype, device) -> flat buffer
+
+    def like(self, slot, tensor):
+        """A tensor of `tensor`'s shape, dtype and device in scratch `slot`
+        (0 or 1), its contents undefined; None for a DTensor (the op then
+        allocates its result)."""
+        if isinstance(tensor, DTensor):
+            return None
+        key = (slot, tensor.dtype, tensor.device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < tensor.numel():
+            buffer = self.buffers[key] = torch.empty(
+                tensor.numel(), dtype=tensor.dtype, device=tensor.device
+            )
+        return buffer[: tensor.numel()].view(tensor.shape)
