@@ -244,6 +244,12 @@ def set_model_step_function(model, kind, function):
     setattr(model, f"{kind}_function", function)
 
 
+def uses_keras_train_step(model):
+    """True when `model`'s train_step is Keras' torch one (which clears
+    the last step's gradients itself, after its forward)."""
+    return type(model).train_step is torch_trainer.TorchTrainer.train_step
+
+
 def current_name_scope():
     """The path of the Keras name scope open now ('' outside any), e.g. a
     layer's path while Keras lays out its output."""

@@ -17,8 +17,9 @@ Replaces, through the seam, Keras' `make_train_function` /
 `make_test_function` / `make_predict_function` with one factory,
 `make_step_function`: it wraps the step function `compiled` makes, once,
 in the one wrapper every step kind gets under a distribution (copies
-made equal first; for predict, the predictions of every replica gathered
-by `trainer`).
+made equal first; a train step of Keras' own `train_step` lets go of the
+last step's gradients before its forward, not after it; for predict, the
+predictions of every replica gathered by `trainer`).
 """
 
 import weakref
@@ -62,11 +63,18 @@ def make_step_function(kind, original, model, force=False):
         return result
     model_ref = weakref.ref(model)
     gathers = kind == "predict"
+    clears_gradients = kind == "train" and _keras.uses_keras_train_step(model)
 
     def distributed_step(data):
         owner = model_ref()
         if owner is not None and owner not in equalized.models and runtime.is_multi_process():
             equalize(owner)
+        if clears_gradients and owner is not None:
+            # Keras' train_step sets the last step's gradients to None after
+            # its forward; before it, they are not alive beside the forward's
+            # gathered weights and activations (a gradient's worth less at
+            # the peak; on JAX no gradient outlives its step either).
+            owner.zero_grad(set_to_none=True)
         outputs = function(data)
         return trainer.gather_predictions(outputs) if gathers else outputs
 
