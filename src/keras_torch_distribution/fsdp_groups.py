@@ -34,6 +34,9 @@ Llama of vocabulary 32000 and width 2048, 250 MiB a matrix). Its calls
 have their places in the forward order, but it is never prefetched nor
 kept for backward; the group before it is then not the last either (the
 last block's weights are not held through the output projection).
+A group of one 2-D weight sharded on its dim 1 (keras_hub's token
+embeddings) makes the gradient of an embedding lookup of it in the
+reduce-scatter's rank-major order itself (`lookup_gradients`).
 Variables that cannot travel flat (a dim sharded on the batch axis and on
 another axis) and variables read outside a group keep the per-variable
 DTensor gather of `fsdp`. Under torch.compile no group is formed: the
