@@ -368,6 +368,35 @@ def _heap():
                 heap_free=info.fordblks, mmapped=info.hblkhd)
 
 
+def _mark_groups(sampler):
+    """Diagnostics: a mark before each FSDP group's regather and after
+    each reduce-scatter of its gradients."""
+    from keras_torch_distribution import fsdp_groups
+    from keras_torch_distribution import lookup_gradients
+
+    def wrap_backward(cls, label):
+        original = cls.backward
+
+        def backward(ctx, *grads):
+            sampler.mark(f"{label} backward start")
+            result = original(ctx, *grads)
+            sampler.mark(f"{label} reduce-scattered")
+            return result
+
+        cls.backward = staticmethod(backward)
+
+    wrap_backward(fsdp_groups._GroupGather, "group")
+    wrap_backward(lookup_gradients._RankMajorLookup, "lookup")
+    regathered = fsdp_groups._BucketSource.regathered
+
+    def marked(self, key):
+        if self.tensors is None:
+            sampler.mark("before regather")
+        return regathered(self, key)
+
+    fsdp_groups._BucketSource.regathered = marked
+
+
 def _malloc_trim():
     """glibc's malloc_trim(0): return the free pages of every arena."""
     import ctypes
@@ -406,6 +435,8 @@ def keras_worker():
         saved.install()
 
     sampler = Sampler()
+    if os.environ.get("BENCH_MARK_GROUPS"):
+        _mark_groups(sampler)
     census, losses = {}, {}
     phases = Phases(sampler, "keras", rank, more=lambda: dict(
         marks=phases.marks, census=census,
