@@ -1,7 +1,7 @@
 """A model no single process can hold: keras_hub Llama, FSDP on 4 processes.
 
     python benchmarks/scale.py [--quick] [--allocators default,mmap]
-                               [--cases keras,torch] [--snapshot]
+                               [--cases keras,torch] [--snapshot] [--marks]
 
 Model: keras_hub `LlamaCausalLM` (vocabulary 32000, hidden 2048, 16 heads,
 MLP 5632, 8 decoder blocks: 542 M parameters; training state, 16 bytes per
@@ -43,6 +43,9 @@ with their largest shapes); within each fit step, the peak RSS between
 markers (batch begin, forward done, backward done, optimizer done); and
 the tensors autograd saved for backward in one training forward (those
 kept, by shape, and the gathered weights replaced by regather tokens).
+Each mark also has glibc's heap (`mallinfo2`: taken, in use, free;
+mmapped). `--marks` adds marks before each FSDP group's regather and
+around each gradient reduce-scatter (the package's internals, wrapped).
 
 Targets (issue 18): every rank's peak <= 0.35 of the training state with
 either allocator, within 10% of FSDP2's. Results:
@@ -744,6 +747,9 @@ def main():
     parser.add_argument("--trim", action="store_true",
                         help="experiment: glibc malloc_trim(0) after every "
                              "Keras step")
+    parser.add_argument("--marks", action="store_true",
+                        help="diagnostics: mark each FSDP group's regather and "
+                             "gradient reduce-scatter in the fit phases' marks")
     parser.add_argument("--timeout", type=float, default=420)
     parser.add_argument("--rss-limit-gib", type=float, default=3.4,
                         help="a rank whose RSS exceeds this stops itself "
@@ -780,6 +786,8 @@ def main():
                     env["BENCH_SNAPSHOT"] = "1"
                 if args.trim:
                     env["BENCH_TRIM"] = "1"
+                if args.marks:
+                    env["BENCH_MARK_GROUPS"] = "1"
                 partial = os.path.join(directory, f"{case}-{allocator}-partial")
                 os.makedirs(partial)
                 env["BENCH_PARTIAL"] = partial
