@@ -81,7 +81,7 @@ class FlatLayout:
         freed, where tensors of a few MiB each would stay in the heap and
         be split by the activations allocated after them)."""
         rows = gathered.view(self.ranks, self.per_rank)
-        copied = [p for p in self.pieces if not self._is_view(p)]
+        copied = [p for p in self.pieces if not self.is_rank_major(p)]
         slab = torch.empty(
             sum(math.prod(p.gathered_shape) for p in copied),
             dtype=gathered.dtype,
@@ -92,7 +92,7 @@ class FlatLayout:
             pieces = rows[:, piece.offset : piece.offset + piece.numel].view(
                 (self.ranks,) + piece.padded_shape
             )
-            if self._is_view(piece):
+            if self.is_rank_major(piece):
                 outputs.append(pieces.reshape(piece.gathered_shape))
                 continue
             size = math.prod(piece.gathered_shape)
@@ -112,9 +112,10 @@ class FlatLayout:
             outputs.append(whole)
         return outputs
 
-    def _is_view(self, piece):
-        """True when `piece` gathered is a view of the all-gather's output
-        (sharded on dim 0, no padding)."""
+    def is_rank_major(self, piece):
+        """True when `piece`'s whole tensor is in rank-major order as it is
+        (sharded on dim 0, no padding): gathered, a view of the all-gather's
+        output; its gradient, the reduce-scatter's input as it is."""
         return piece.dim == 0 and piece.full_size == piece.chunk * self.ranks
 
     def scatter_input(self, grads, dtype, device):
@@ -243,7 +244,7 @@ def _reduce_scatter(out, flat, group, ranks):
 def _in_rank_order(layout, grads, dtype):
     """True when `grads` is one contiguous gradient whose memory is the
     reduce-scatter's rank-major input."""
-    if len(layout.pieces) != 1 or layout.any_padding or layout.pieces[0].dim != 0:
+    if len(layout.pieces) != 1 or not layout.is_rank_major(layout.pieces[0]):
         return False
     grad = grads[0]
     return grad is not None and grad.dtype == dtype and grad.is_contiguous()

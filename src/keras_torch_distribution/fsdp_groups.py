@@ -264,8 +264,8 @@ class _GroupCall:
         self.sources = {}  # bucket index -> its _BucketSource, for the regatherer
         self.casts = {}  # ((bucket, member), dtype) -> the value cast
         self.keep = False  # keep the gathered weights for backward
-        # id(gathered value) -> lookup_gradients.Lookup, for the values an
-        # embedding lookup may read (see lookup_gradients).
+        # id(gathered value) -> (that value, lookup_gradients.Lookup), for
+        # the values an embedding lookup may read (see lookup_gradients).
         self.lookups = {}
 
     def value_for(self, variable, dtype):
@@ -289,11 +289,8 @@ class _GroupCall:
         cast = self.casts.get((where, dtype))
         if cast is None:
             cast = self.casts[(where, dtype)] = value.to(dtype)
-            lookup = self.lookups.get(id(value))
-            if lookup is not None:
-                self.lookups[id(cast)] = lookup_gradients.Lookup(
-                    cast, lookup.bucket, lookup.shard, lookup.factor
-                )
+            if id(value) in self.lookups:
+                self.lookups[id(cast)] = (cast, self.lookups[id(value)][1])
             regatherer = fsdp.state.regatherer
             if regatherer is not None and not self.keep and cast.requires_grad:
                 regatherer.register(cast, self.sources[where[0]], (where[1], dtype))
@@ -326,8 +323,9 @@ class _GroupCall:
             factor = replicas.batch_scale() / bucket.ranks
             outputs = _GroupGather.apply(source, flat, factor, *shards)
             if bucket.lookup_eligible:
-                self.lookups[id(outputs[0])] = lookup_gradients.Lookup(
-                    outputs[0], bucket, shards[0], factor
+                self.lookups[id(outputs[0])] = (
+                    outputs[0],
+                    lookup_gradients.Lookup(bucket, shards[0], factor),
                 )
         else:
             outputs = flat.take()

@@ -8,7 +8,7 @@ is a transpose of its own: autograd's `embedding` backward makes the dense
 transposed buffer: two tensors of the whole matrix alive at once (250 MiB
 each for a 32000 x 2048 float32 embedding).
 
-Inside the call of a group that holds such a weight, `lookups(call)`
+Inside the call of a group that holds such a weight, `lookups(table)`
 catches `torch.nn.functional.embedding` (Keras' `ops.take(x, ids, axis=0)`
 of a 2-D `x`) of that weight's gathered value and runs `_RankMajorLookup`
 instead: the same forward, and a backward that adds the output's gradient
@@ -37,8 +37,7 @@ def eligible(layout, shapes):
 class Lookup:
     """What a lookup of one gathered weight needs for its gradient."""
 
-    def __init__(self, value, bucket, shard, factor):
-        self.value = value  # the gathered weight (or its cast) Keras reads
+    def __init__(self, bucket, shard, factor):
         self.bucket = bucket  # fsdp_groups._Bucket: layout, group, dtype
         self.shard = shard  # this rank's local shard (autograd leads to it)
         self.factor = factor  # this rank's gradient scale before the sum
@@ -51,14 +50,13 @@ class _RankMajorLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, shard, lookup):
         ctx.save_for_backward(ids)
-        # Not the lookup itself: it holds the gathered weight.
-        ctx.bucket, ctx.factor = lookup.bucket, lookup.factor
+        ctx.lookup = lookup
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        bucket = ctx.bucket
+        bucket = ctx.lookup.bucket
         layout = bucket.layout
         piece = layout.pieces[0]
         flat = torch.zeros(layout.ranks * layout.per_rank, dtype=bucket.dtype, device=bucket.device)
@@ -67,7 +65,7 @@ class _RankMajorLookup(torch.autograd.Function):
         source = grad.reshape(-1, grad.shape[-1]).to(bucket.dtype)
         rows.index_add_(0, ids.reshape(-1), source.unflatten(1, (layout.ranks, piece.chunk)))
         (shard_grad,) = flat_shards.reduce_scatter_flat(
-            layout, flat, bucket.group, ctx.factor, bucket.shard_shapes
+            layout, flat, bucket.group, ctx.lookup.factor, bucket.shard_shapes
         )
         return None, None, shard_grad, None
 
@@ -77,13 +75,13 @@ class _LookupMode(TorchFunctionMode):
 
     def __init__(self, table):
         super().__init__()
-        self.table = table  # id(gathered value) -> Lookup
+        self.table = table  # id(gathered value) -> (that value, its Lookup)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.embedding and len(args) == 2 and torch.is_grad_enabled():
-            lookup = self.table.get(id(args[1]))
-            if lookup is not None and lookup.value is args[1] and _plain(kwargs):
+            value, lookup = self.table.get(id(args[1]), (None, None))
+            if value is args[1] and _plain(kwargs):
                 ids, weight = args
                 return _RankMajorLookup.apply(ids, weight.detach(), lookup.shard, lookup)
         return func(*args, **kwargs)
@@ -101,7 +99,7 @@ def _plain(kwargs):
 
 
 def lookups(table):
-    """A context in which embeddings of the weights in `table` (id of the
-    gathered value -> Lookup, filled as the call gathers) make their
-    gradients in rank-major order."""
+    """A context in which embeddings of the weights in `table` (id of a
+    gathered value -> (that value, its Lookup), filled as the call gathers)
+    make their gradients in rank-major order."""
     return _LookupMode(table)

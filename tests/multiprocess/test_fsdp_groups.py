@@ -146,6 +146,24 @@ def test_metric_updated_after_the_optimizer_is_summed_on_its_own(pool2):
         assert result["counts"] == dict(EXPECTED, all_reduce=2), result["counts"]
 
 
+def _tiny_llama(keras_hub, layers, **backbone_options):
+    """A tiny keras_hub LlamaCausalLM (seed 0), compiled with Adam and sparse
+    cross-entropy from logits."""
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64, num_layers=layers, num_query_heads=2,
+        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+        **backbone_options,
+    )
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[],
+    )
+    return model
+
+
 def _count_one_step(layers):
     """keras_hub Llama with `layers` decoder blocks under its own layout
     map on a (2, 1) mesh: the collectives of one training step."""
@@ -158,17 +176,7 @@ def _count_one_step(layers):
             batch_dim_name="batch",
         )
     )
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=64, num_layers=layers, num_query_heads=2,
-        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
-    )
-    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        weighted_metrics=[],
-    )
+    model = _tiny_llama(keras_hub, layers)
     ids = np.random.default_rng(0).integers(1, 64, (4, 9))
     x = {"token_ids": torch.as_tensor(ids[:, :-1]),
          "padding_mask": torch.ones((4, 8), dtype=torch.bool)}
@@ -217,18 +225,7 @@ def _llama_output_projection_sharded(distributed, layers=2):
         keras.distribution.set_distribution(
             keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
         )
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=64, num_layers=layers, num_query_heads=2,
-        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
-        tie_word_embeddings=False,
-    )
-    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        weighted_metrics=[],
-    )
+    model = _tiny_llama(keras_hub, layers, tie_word_embeddings=False)
     ids = np.random.default_rng(0).integers(1, 64, (8, 9))
     x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((8, 8), bool)}
     y = ids[:, 1:]
