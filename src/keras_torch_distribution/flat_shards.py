@@ -23,6 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat collectives (the old names warn FutureWarning
+# there); torch 2.11 and 2.12 have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -170,7 +177,7 @@ class FlatGather:
             self.input = make(layout.per_rank, dtype=dtype, device=device)
             layout.copy_in(shards, self.input)
             self.output = torch.empty(layout.ranks * layout.per_rank, dtype=dtype, device=device)
-            self.work = dist.all_gather_single(
+            self.work = _all_gather_single(
                 self.output, self.input, group=group, async_op=True
             )
         # The collective's work keeps its input alive until it completes.
@@ -238,7 +245,7 @@ def _reduce_scatter(out, flat, group, ranks):
     if dist.get_backend(group) == "gloo":
         dist.reduce_scatter(out, list(flat.view(ranks, out.numel()).unbind(0)), group=group)
     else:
-        dist.reduce_scatter_single(out, flat, group=group)
+        _reduce_scatter_single(out, flat, group=group)
 
 
 def _in_rank_order(layout, grads, dtype):
