@@ -10,24 +10,49 @@ untied output projection), the same parameter count. Losses: sparse
 categorical cross-entropy of the next token, from logits.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
-VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 2048, 128, 4, 4, 2, 384
-SEQ, GLOBAL_BATCH = 64, 8
+
+class Shape(NamedTuple):
+    """A Llama configuration and the global batch it is trained on."""
+
+    vocab: int = 2048
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 384
+    seq: int = 64
+    global_batch: int = 8
+
+    def parameters(self):
+        """Parameters of both models (untied embedding and output)."""
+        head_dim = self.hidden // self.heads
+        attention = self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)
+        block = attention + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return 2 * self.vocab * self.hidden + self.layers * block + self.hidden
+
+
+TINY = Shape()
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, SEQ, GLOBAL_BATCH = TINY
 EPS = 1e-6
 
 
-def arrays(seed=0):
-    """Token ids of the global batch: inputs (GLOBAL_BATCH, SEQ) and the
+def arrays(seed=0, shape=TINY):
+    """Token ids of the global batch: inputs (global_batch, seq) and the
     next-token targets."""
-    ids = np.random.default_rng(seed).integers(1, VOCAB, (GLOBAL_BATCH, SEQ + 1))
+    ids = np.random.default_rng(seed).integers(
+        1, shape.vocab, (shape.global_batch, shape.seq + 1))
     return ids[:, :-1].astype("int32"), ids[:, 1:].astype("int32")
 
 
-def keras_causal_lm(keras, keras_hub):
+def keras_causal_lm(keras, keras_hub, shape=TINY):
     backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCAB, num_layers=LAYERS, num_query_heads=HEADS,
-        num_key_value_heads=KV_HEADS, hidden_dim=HIDDEN, intermediate_dim=FFN,
+        vocabulary_size=shape.vocab, num_layers=shape.layers,
+        num_query_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        hidden_dim=shape.hidden, intermediate_dim=shape.ffn,
         layer_norm_epsilon=EPS,
     )
     return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
@@ -37,13 +62,14 @@ def keras_inputs(token_ids):
     return {"token_ids": token_ids, "padding_mask": np.ones(token_ids.shape, bool)}
 
 
-def torch_causal_lm():
+def torch_causal_lm(shape=TINY):
     """The torch model: `.blocks` are the decoder blocks (what FSDP2
     wraps one by one)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
+    VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, SEQ, _ = shape  # noqa: N806
     head_dim = HIDDEN // HEADS
 
     def rotary(x, cos, sin):
