@@ -57,6 +57,8 @@ sys.path.insert(0, HERE)
 # bf16 dense peak of one GPU, for MFU; by device name.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 
+SPEED_MODE_TIMEOUT = 240
+
 # Tolerances of a world-1 fit against plain Keras, relative to the loss.
 TOLERANCE = {"float32": 1e-5, "mixed_bfloat16": 2e-2}
 
@@ -77,9 +79,15 @@ SECTIONS = {
     "world8": (False, 300, False),
     "sanitizer": (True, 300, False),
     "multiprocess": (True, 1800, True),
-    "speed": (True, 1200, True),
+    "speed": (True, 7 * 240, True),
 }
 QUICK = ["environment", "fit_mlp", "world2", "world4"]
+
+
+def _quick():
+    """--quick: smaller models and fewer configurations (the CPU run CI
+    makes)."""
+    return os.environ.get("KTD_GPU_CHECK_QUICK") == "1"
 
 
 def _child_env(extra=None):
@@ -137,6 +145,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args)
+    if args.quick:
+        os.environ["KTD_GPU_CHECK_QUICK"] = "1"
 
     import torch
 
@@ -235,7 +245,7 @@ def compare_fits(plain, package):
 
 def _run_speed(name):
     timeout = SECTIONS[name][1]
-    modes = ["torch", "keras", "ktd_dp", "ktd_mp"]
+    modes = ["torch", "keras", "ktd_dp", "ktd_mp", "keras_jit", "ktd_dp_jit"]
     try:
         import jax  # noqa: F401
 
@@ -246,16 +256,16 @@ def _run_speed(name):
     for mode in modes:
         env = _child_env({"KERAS_BACKEND": "jax", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
                          if mode == "keras_jax" else None)
-        runs[mode] = run_child(name, ["--mode", mode], timeout // len(modes), env)
+        runs[mode] = run_child(name, ["--mode", mode], SPEED_MODE_TIMEOUT, env)
     result = {"status": "ok", "modes": runs,
               "seconds": round(sum(r["seconds"] for r in runs.values()), 1)}
     keras_run = runs.get("keras", {})
     if keras_run.get("status") == "ok":
-        for mode in ("ktd_dp", "ktd_mp", "torch", "keras_jax"):
+        for mode in ("ktd_dp", "ktd_mp", "torch", "keras_jax", "keras_jit", "ktd_dp_jit"):
             run = runs.get(mode, {})
             if run.get("status") == "ok":
                 run["time_vs_keras"] = run["step_ms"] / keras_run["step_ms"]
-                if mode.startswith("ktd"):
+                if mode.startswith("ktd") or mode == "keras_jit":
                     diff = max(abs(a - b) / abs(b) for a, b in
                                zip(run["losses"], keras_run["losses"]))
                     run["loss_max_relative_difference"] = diff
@@ -306,10 +316,15 @@ def summarize(report):
             for c in worst:
                 line += f"\n      {c['fit']} {c['precision']} jit={c['jit']}: " + str(
                     c.get("error") or c.get("fallback") or c.get("max_relative_difference"))[:300]
-        elif name.startswith("world") and result["status"] == "ok":
+        elif name.startswith("world") or name == "sanitizer":
             for run in result["runs"]:
+                if "error" in run:
+                    line += f"\n      {run['name']:24} failed"
+                    continue
                 line += (f"\n      {run['name']:24} peak {run['peak_mib']:8.1f} MiB, "
                          f"expected {run['expected_mib']:8.1f} MiB")
+                for row in run.get("peak_above_start", {}).get("by_origin", [])[:6]:
+                    line += f"\n          {row['mib']:7.1f} MiB stream {row['stream']} {row['where']}"
         elif name == "speed":
             for mode, run in result["modes"].items():
                 if run.get("status") == "ok":
@@ -505,7 +520,7 @@ def child_fit_mlp(mode):
     distributions = [("DataParallel", keras.distribution.DataParallel),
                      ("ModelParallel", model_parallel)]
     fits = _fits(mode, build, (x, y), distributions,
-                 _CONFIGURATIONS + [("float32", True)])
+                 _CONFIGURATIONS[:2] if _quick() else _CONFIGURATIONS + [("float32", True)])
     return {"fits": fits, **_process_facts()}
 
 
@@ -673,14 +688,16 @@ def _world_child(world):
 
     import keras_torch_distribution  # noqa: F401
 
-    shape = llama_shapes.Shape(**dict(SMALL_LLAMA, global_batch=2 * world))
+    size = TINY_LLAMA if _quick() else SMALL_LLAMA
+    shape = llama_shapes.Shape(**dict(size, global_batch=2 * world))
     x, y = llama_shapes.arrays(0, shape)
     x = llama_shapes.keras_inputs(x)
     cuda = torch.cuda.is_available()
     runs = []
     meshes = [((world, 1), "fsdp")] + ([((world // 2, 2), "2d")] if world >= 4 else [])
     for mesh_shape, kind in meshes:
-        for prefetch in ((0, 1, 2) if kind == "fsdp" else (1,)):
+        prefetches = (0, 1, 2) if kind == "fsdp" else (1,)
+        for prefetch in prefetches[:1] if _quick() else prefetches:
             os.environ["KTD_FSDP_PREFETCH"] = str(prefetch)
             name = f"{kind}{mesh_shape}/prefetch={prefetch}"
             run = {"name": name}
@@ -701,9 +718,16 @@ def _world_child(world):
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
+                tracing = cuda and kind == "fsdp" and prefetch == 1
+                if tracing:
+                    torch.cuda.memory._record_memory_history(max_entries=200000)
                 model.fit(x, y, batch_size=shape.global_batch, epochs=2, verbose=0)
+                if tracing:
+                    run["peak_above_start"] = live_at_peak(torch.cuda.memory._snapshot())
+                    torch.cuda.memory._record_memory_history(enabled=None)
                 state = _state_bytes(model)
                 run.update(state)
+                run["model_bytes"] = sum(_numel(w) * 4 for w in model.weights)
                 largest = _largest_block_bytes(model, mesh_shape[1])
                 # Activations of one rank's rows are not counted: small here.
                 run["expected_mib"] = round(
@@ -725,6 +749,39 @@ def _world_child(world):
     return {"status": status, "world": world, "runs": runs,
             **({"output": "\n".join(r["error"] for r in runs if "error" in r)}
                if status != "ok" else {})}
+
+
+def live_at_peak(snapshot, top=10):
+    """Replay a CUDA memory trace: the allocations made during it that were
+    alive at its highest point, grouped by the innermost frame of this
+    package (or else of Keras) that made them and by stream, largest
+    first."""
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    groups = {}
+    for event in at_peak.values():
+        key = (_where(event.get("frames", [])), event.get("stream", 0))
+        groups[key] = groups.get(key, 0) + event["size"]
+    rows = sorted(groups.items(), key=lambda item: -item[1])[:top]
+    return {"peak_mib": round(peak / 2**20, 1),
+            "by_origin": [{"mib": round(size / 2**20, 1), "where": where, "stream": stream}
+                          for (where, stream), size in rows]}
+
+
+def _where(frames):
+    for marker in ("keras_torch_distribution", "keras"):
+        for frame in frames:
+            if marker in frame.get("filename", ""):
+                name = frame["filename"].split(marker, 1)[1].lstrip("/")
+                return f"{marker}/{name}:{frame['line']} {frame['name']}"
+    return frames[0]["name"] if frames else "?"
 
 
 def _state_bytes(model):
@@ -800,7 +857,7 @@ def child_speed(mode):
             import keras_torch_distribution  # noqa: F401
 
             keras.distribution.initialize()
-            if mode == "ktd_dp":
+            if mode.startswith("ktd_dp"):
                 keras.distribution.set_distribution(keras.distribution.DataParallel())
             else:
                 devices = keras.distribution.list_devices()
@@ -814,7 +871,7 @@ def child_speed(mode):
         model = llama_shapes.keras_causal_lm(keras, keras_hub, shape)
         model.compile(optimizer=keras.optimizers.Adam(1e-4),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      weighted_metrics=[])
+                      weighted_metrics=[], jit_compile=mode.endswith("_jit"))
         times, losses = [], []
 
         class Timer(keras.callbacks.Callback):
