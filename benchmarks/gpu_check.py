@@ -826,8 +826,9 @@ def child_speed(mode):
     shape = llama_shapes.Shape(vocab=32000, hidden=2048, layers=16, heads=32, kv_heads=8,
                                ffn=8192, seq=512, global_batch=4)
     warmup, steps = 3, 10
+    profiled = PROFILED_STEPS if mode in PROFILED_MODES else 0
     x, y = llama_shapes.arrays(0, llama_shapes.Shape(**dict(
-        shape._asdict(), global_batch=shape.global_batch * (warmup + steps))))
+        shape._asdict(), global_batch=shape.global_batch * (warmup + steps + profiled))))
     tokens = shape.global_batch * shape.seq
     if mode == "torch":
         import torch
@@ -874,9 +875,13 @@ def child_speed(mode):
                       weighted_metrics=[], jit_compile=mode.endswith("_jit"))
         times, losses = [], []
 
+        profile = {}
+
         class Timer(keras.callbacks.Callback):
             def on_train_batch_begin(self, batch, logs=None):
                 _sync(mode)
+                if profiled and batch == warmup + steps:
+                    profile["profiler"] = _start_profiler()
                 self.start = time.perf_counter()
 
             def on_train_batch_end(self, batch, logs=None):
@@ -888,14 +893,38 @@ def child_speed(mode):
         model.fit(llama_shapes.keras_inputs(x), y, batch_size=shape.global_batch, epochs=1,
                   shuffle=False, verbose=0, callbacks=[Timer()])
         peak = _peak(mode)
-    step_s = float(np.median(times[warmup:]))
+        if "profiler" in profile:
+            profile["profiler"].stop()
+            averages = profile["profiler"].key_averages()
+            profile = {
+                "steps": profiled,
+                "by_self_cpu": averages.table(sort_by="self_cpu_time_total", row_limit=25),
+                "by_self_cuda": averages.table(sort_by="self_device_time_total", row_limit=15),
+            }
+    step_s = float(np.median(times[warmup:warmup + steps]))
     flops = 6 * shape.parameters() * tokens
     peak_flops = _peak_flops()
     return {"mode": mode, "parameters": shape.parameters(), "tokens_per_step": tokens,
             "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
             "mfu": flops / step_s / peak_flops if peak_flops else None,
             "peak_mib": peak / 2**20 if peak else None,
-            "losses": losses[:warmup + 2], "first_step_ms": times[0] * 1e3}
+            "losses": losses[:warmup + 2], "first_step_ms": times[0] * 1e3,
+            **({"profile": profile} if mode != "torch" and profile else {})}
+
+
+# KTD_GPU_CHECK_PROFILE=1: a torch profile of PROFILED_STEPS more steps of
+# these modes (after the timed ones) in the result.
+PROFILED_MODES = ("keras", "ktd_dp") if os.environ.get("KTD_GPU_CHECK_PROFILE") == "1" else ()
+PROFILED_STEPS = 3
+
+
+def _start_profiler():
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    return profiler
 
 
 def _sync(mode):

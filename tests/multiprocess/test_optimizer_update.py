@@ -75,8 +75,22 @@ def _assert_bit_equal(ours, theirs):
             assert np.array_equal(a, b), f"step {step}, tensor {i}: max diff {np.abs(a - b).max()}"
 
 
+@pytest.mark.parametrize("path", ["one_by_one", "foreach_chunks"])
 @pytest.mark.parametrize("kind", ["adam", "amsgrad", "adamw", "adam_clipnorm"])
-def test_adam_update_is_bit_identical_to_keras(kind):
+def test_adam_update_is_bit_identical_to_keras(kind, path, monkeypatch):
+    """Both paths: one variable at a time (CPU) and foreach chunks (CUDA;
+    chunks of at most 120 bytes here, so that the four variables make two
+    chunks)."""
+    import torch
+
+    from keras_torch_distribution import optimizer_update
+
+    if path == "foreach_chunks":
+        monkeypatch.setattr(optimizer_update, "_use_foreach", lambda value: True)
+        monkeypatch.setattr(optimizer_update, "FOREACH_CHUNK_BYTES", 120)
+        sizes = [len(c) for c in optimizer_update._chunks(
+            [[torch.zeros(shape)] for shape in SHAPES])]
+        assert sizes == [2, 2], sizes
     make = _optimizers()[kind]
     _assert_bit_equal(_run_steps(make, False), _run_steps(make, True))
 
