@@ -57,6 +57,7 @@ sys.path.insert(0, HERE)
 # bf16 dense peak of one GPU, for MFU; by device name.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 
+SPEED_MODES = ("torch", "keras", "ktd_dp", "ktd_mp", "keras_jit", "ktd_dp_jit")
 SPEED_MODE_TIMEOUT = 240
 
 # Tolerances of a world-1 fit against plain Keras, relative to the loss.
@@ -136,6 +137,11 @@ def main(argv=None):
     parser.add_argument("--sections", default=None,
                         help="comma-separated; default: all (--quick: " + ",".join(QUICK) + ")")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--speed-modes", default=None,
+                        help="comma-separated speed modes (default: all of " + ",".join(SPEED_MODES)
+                        + ", keras_jax where JAX is installed)")
+    parser.add_argument("--profile", action="store_true",
+                        help="a torch profile of 3 more steps of the keras and ktd_dp speed modes")
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -147,6 +153,10 @@ def main(argv=None):
         return child_main(args)
     if args.quick:
         os.environ["KTD_GPU_CHECK_QUICK"] = "1"
+    if args.profile:
+        os.environ["KTD_GPU_CHECK_PROFILE"] = "1"
+    if args.speed_modes:
+        os.environ["KTD_GPU_CHECK_SPEED_MODES"] = args.speed_modes
 
     import torch
 
@@ -245,13 +255,16 @@ def compare_fits(plain, package):
 
 def _run_speed(name):
     timeout = SECTIONS[name][1]
-    modes = ["torch", "keras", "ktd_dp", "ktd_mp", "keras_jit", "ktd_dp_jit"]
+    modes = list(SPEED_MODES)
     try:
         import jax  # noqa: F401
 
         modes.append("keras_jax")
     except ImportError:
         pass
+    chosen = os.environ.get("KTD_GPU_CHECK_SPEED_MODES")
+    if chosen:
+        modes = chosen.split(",")
     runs = {}
     for mode in modes:
         env = _child_env({"KERAS_BACKEND": "jax", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}

@@ -77,12 +77,14 @@ def _use_foreach(value):
     return value.is_cuda
 
 
-# On CUDA the variables are updated in chunks of about this many bytes of
+# On CUDA the variables are updated in chunks of up to this many bytes of
 # variables: a few `torch._foreach_*` kernels per chunk instead of about ten
-# per variable (kernel launches dominate a 1 B-parameter model's per-variable
-# update), with the transients (grad * grad, the denominator, the update) of
-# one chunk, not of the whole model as in Keras' one foreach over all.
-FOREACH_CHUNK_BYTES = 256 * 2**20
+# per variable, with the transients (grad * grad, the denominator, the
+# update) of one chunk, not of the whole model as in Keras' one foreach over
+# all (benchmarks/README.md, "GPU check": a 1.1 B keras_hub Llama step on an
+# H100 took 1.15x plain Keras' with the per-variable update, 1.02x with
+# chunks).
+FOREACH_CHUNK_BYTES = 64 * 2**20
 
 
 def _chunks(every):
