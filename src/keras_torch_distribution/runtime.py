@@ -226,6 +226,7 @@ def shutdown():
     if destroyed:
         dist.destroy_process_group()
     started.clear()
+    _cpu_group.clear()
     return destroyed
 
 
@@ -372,6 +373,57 @@ def _start_failure_message(error, where):
         f"torch.distributed could not start process {rank} of {world} at "
         f"{shown} within KTD_TIMEOUT_SECONDS={seconds:g} s: {first_line} {advice}"
     )
+
+
+class CpuGroup:
+    """The process group that carries this package's small CPU-tensor
+    collectives (ranks agreeing before fit, stopping together, the shared
+    shuffle's generator state, object collectives and barriers).
+
+    The world group when it has a CPU backend (the package starts
+    "cpu:gloo,cuda:nccl" or "gloo"); for an application's group without
+    one (`init_process_group("nccl")` before keras.distribution), a gloo
+    group of all ranks made once per world group. A gloo side group rather
+    than moving these tensors to the GPU: they are read on the host right
+    away (a flag per step under StopTogether), where an NCCL collective
+    would make the host wait for every kernel queued before it, and gloo's
+    object collectives and barriers need no current CUDA device.
+    """
+
+    def __init__(self):
+        self._groups = {}  # world group -> the group for CPU tensors (why: made once)
+
+    def get(self):
+        """Collective the first time for a world group without a CPU
+        backend (it makes a group): call on every rank."""
+        world = dist.group.WORLD
+        group = self._groups.get(world)
+        if group is None:
+            self._groups.clear()  # a group of a destroyed world is dead
+            group = world if carries_cpu_tensors(world) else dist.new_group(backend="gloo")
+            self._groups[world] = group
+        return group
+
+    def clear(self):
+        self._groups.clear()
+
+
+_cpu_group = CpuGroup()
+
+
+def cpu_group():
+    """The process group for collectives on CPU tensors (see `CpuGroup`).
+    Collective the first time (when it makes a group): call on every rank."""
+    return _cpu_group.get()
+
+
+def carries_cpu_tensors(group):
+    """True when `group` has a backend for CPU tensors."""
+    device_types = getattr(group, "_device_types", None)
+    if device_types is not None:
+        return torch.device("cpu") in device_types
+    backend = str(dist.get_backend(group)).lower()
+    return backend in ("gloo", "mpi") or "cpu:" in backend
 
 
 def ensure_initialized(use="a DeviceMesh"):
