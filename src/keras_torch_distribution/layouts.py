@@ -342,15 +342,17 @@ def uneven_dims(value):
     ]
 
 
-def local_box(global_shape, mesh, placements):
-    """This rank's block of a tensor: one (start, stop) per dim.
+def local_box(global_shape, mesh, placements, coordinate=None):
+    """This rank's block of a tensor (or the block of the process at mesh
+    `coordinate`): one (start, stop) per dim.
 
     Follows DTensor's `Shard` semantics (torch.chunk: ceil-sized pieces, the
     last ones smaller or empty); mesh axes sharding the same dim nest in
     mesh order.
     """
     box = [[0, int(n)] for n in global_shape]
-    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        coordinate = mesh.get_coordinate()
     for axis, placement in enumerate(placements):
         if not isinstance(placement, Shard):
             continue
