@@ -294,3 +294,43 @@ def record_file(path, name):
             marker["files"][name].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
 
     rewrite_marker(path, change)
+
+
+# ---------------------------------------------------------------------------
+# Where tensors are made (whole variables never on a device)
+# ---------------------------------------------------------------------------
+
+
+class Allocations:
+    """Records the device and size of every plain tensor the ops run inside
+    `with Allocations() as made:` produce: `made.largest(device_type)` is
+    the most elements one of them held there. On a CPU machine a test makes
+    "meta" stand for the accelerator (Keras' torch device), so that what
+    went to the device is told apart from what stayed on the host."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        records = self.records = []
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                out = func(*args, **(kwargs or {}))
+                for value in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if type(value) in (torch.Tensor, torch.nn.Parameter):
+                        records.append((value.device.type, value.numel(), str(func)))
+                return out
+
+        self._mode = _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        return self._mode.__exit__(*exc_info)
+
+    def largest(self, device_type):
+        return max((n for kind, n, _ in self.records if kind == device_type), default=0)

@@ -73,6 +73,7 @@ def _patch_table():
             wrap=True,
         ),
         Patch(k.TorchVariable, "_direct_assign", variables.direct_assign, wrap=True),
+        Patch(k.TorchVariable, "_convert_to_tensor", variables.convert_for_assign, wrap=True),
         Patch(k.TorchVariable, "_maybe_autocast", variables.value_for_use, wrap=True),
         Patch(k.TorchVariable, "__array__", variables.to_numpy, wrap=True),
         Patch(k.TorchVariable, "__repr__", variables.describe, wrap=True),

@@ -72,6 +72,31 @@ def check_environment():
 
 TorchVariable = torch_core.Variable
 torch_device = torch_core.get_device
+
+
+def default_torch_device():
+    """The device Keras' torch backend computes on outside any
+    `keras.device` scope ("cuda", "cpu", ...)."""
+    return getattr(torch_core, "DEFAULT_DEVICE", None) or str(torch_device())
+
+
+def set_default_torch_device(name):
+    """Make Keras' torch backend compute on `name` outside any
+    `keras.device` scope, in every thread and across `clear_session()`:
+    the module's DEFAULT_DEVICE, which `get_device()` reads (the global
+    attribute "torch_device" that `keras.device` sets is thread-local and
+    cleared by `clear_session`, so it serves only where DEFAULT_DEVICE is
+    gone)."""
+    if hasattr(torch_core, "DEFAULT_DEVICE"):
+        torch_core.DEFAULT_DEVICE = name
+    else:
+        global_state.set_global_attribute("torch_device", name)
+
+
+def torch_device_scope(name):
+    """Keras' `keras.device(name)` scope for the torch backend: tensors
+    Keras creates inside it (initializers' draws included) are on `name`."""
+    return torch_core.device_scope(name)
 to_torch_dtype = torch_core.to_torch_dtype
 convert_to_numpy = torch_core.convert_to_numpy
 is_torch_dataloader = data_adapters.is_torch_dataloader

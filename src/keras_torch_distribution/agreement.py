@@ -152,20 +152,22 @@ def compare(doing, items, data=None):
     things (`doing`: "fit()", "the build of ...") or describe it with other
     `items` ((name, text) pairs); return every rank's (doing's kind, items'
     digest, `data` (a 16-hex-digit digest or None), replica index), as
-    integers. One all-gather of 32 bytes, and one more of the descriptions
-    when they differ. Collective: call on every rank."""
+    integers. One all-gather of 32 bytes (a CPU tensor, on
+    `runtime.cpu_group()`), and one more of the descriptions when they
+    differ. Collective: call on every rank."""
     digest = hashlib.sha256(repr(items).encode()).hexdigest()[:16]
     header = torch.tensor(
         [_code(_kind(doing)), _code(digest), _code(data), replicas.current().index],
         dtype=torch.int64,
     )
+    group = runtime.cpu_group()
     gathered = [torch.empty_like(header) for _ in range(runtime.num_processes())]
-    dist.all_gather(gathered, header)
+    dist.all_gather(gathered, header, group=group)
     gathered = [tuple(int(v) for v in entry) for entry in gathered]
     if len({entry[:2] for entry in gathered}) == 1:
         return gathered
     everyone = [None] * runtime.num_processes()
-    dist.all_gather_object(everyone, (doing, dict(items)))
+    dist.all_gather_object(everyone, (doing, dict(items)), group=group)
     if len({_kind(d) for d, _ in everyone}) > 1:
         raise RanksDisagreeError(_different_programs([d for d, _ in everyone]))
     raise RanksDisagreeError(first_difference([i for _, i in everyone], _kind(doing)))

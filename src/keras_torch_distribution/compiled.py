@@ -21,6 +21,7 @@ import types
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import boundary
@@ -77,6 +78,13 @@ class _CompiledForward:
         try:
             return self.compiled(original, layer, *args, **kwargs)
         except Exception as error:
+            if unrecoverable_cause(error) is not None:
+                # Out of memory, or a peer / the transport failed: not
+                # torch.compile's fault, and it hits one rank only (an OOM)
+                # or leaves the ranks' collectives out of step. Running
+                # eagerly here would let ranks diverge (some compiled, some
+                # eager) and hang in mismatched collectives.
+                raise
             # Dynamo/inductor errors, and DTensor errors raised by compiled
             # code (e.g. AOTAutograd regenerating an output view with
             # as_strided, which DTensor refuses) reach here re-wrapped by
@@ -99,6 +107,32 @@ class _CompiledForward:
                 _why(error),
             )
             return outputs
+
+
+# Errors a compiled forward must not fall back from (see __call__):
+# running out of (GPU) memory, and torch.distributed's errors (DistError:
+# DistBackendError from NCCL / gloo and the watchdog, DistNetworkError,
+# DistStoreError).
+UNRECOVERABLE = tuple(
+    cls
+    for cls in (
+        getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError,
+        getattr(dist, "DistError", None),
+    )
+    if cls is not None
+)
+
+
+def unrecoverable_cause(error):
+    """The out-of-memory or torch.distributed error in `error`'s chain of
+    causes (dynamo and Keras wrap the error raised inside), or None."""
+    seen = []
+    while error is not None and not any(error is e for e in seen):
+        if isinstance(error, UNRECOVERABLE):
+            return error
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _why(error):

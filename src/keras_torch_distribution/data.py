@@ -98,8 +98,8 @@ def _same_torch_generator_everywhere():
     (processes seeded differently would each take their rows of another
     one): rank 0's generator state goes to every process. Collective: call
     on every rank."""
-    state = torch.get_rng_state()
-    torch.distributed.broadcast(state, src=0)
+    state = torch.get_rng_state()  # a CPU tensor: on the group for those
+    torch.distributed.broadcast(state, src=0, group=runtime.cpu_group())
     torch.set_rng_state(state)
 
 

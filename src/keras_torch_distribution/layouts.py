@@ -100,10 +100,20 @@ def to_torch_mesh(keras_mesh):
     ranks = [device_rank(d) for d in devices]
     kinds = {str(d).split(":")[0].lower() for d in devices}
     device_type = "cuda" if kinds & {"gpu", "cuda"} else "cpu"
-    if device_type == "cuda" and not torch.cuda.is_available():
+    if device_type == "cuda" and not runtime.uses_cuda():
+        why = ("KTD_DEVICE=cpu runs this process on the CPU" if torch.cuda.is_available()
+               else "CUDA is not available in this process")
         raise ValueError(
-            f"DeviceMesh devices {list(devices)} are GPUs, but CUDA is not "
-            "available in this process. Use keras.distribution.list_devices('cpu')."
+            f"DeviceMesh devices {list(devices)} are GPUs, but {why}. Use "
+            "keras.distribution.list_devices() for this run's devices."
+        )
+    if device_type == "cpu" and runtime.uses_cuda():
+        raise ValueError(
+            f"DeviceMesh devices {list(devices)} are CPUs, but this run computes "
+            "on CUDA (Keras' tensors are CUDA tensors, which a 'cpu' mesh cannot "
+            "hold). Use keras.distribution.list_devices() for this run's devices "
+            "('gpu:R'), or set KTD_DEVICE=cpu before the processes start to run "
+            "on CPU processes (gloo)."
         )
     rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
     _check_rank_order(rank_grid, axis_names, devices)
@@ -332,15 +342,17 @@ def uneven_dims(value):
     ]
 
 
-def local_box(global_shape, mesh, placements):
-    """This rank's block of a tensor: one (start, stop) per dim.
+def local_box(global_shape, mesh, placements, coordinate=None):
+    """This rank's block of a tensor (or the block of the process at mesh
+    `coordinate`): one (start, stop) per dim.
 
     Follows DTensor's `Shard` semantics (torch.chunk: ceil-sized pieces, the
     last ones smaller or empty); mesh axes sharding the same dim nest in
     mesh order.
     """
     box = [[0, int(n)] for n in global_shape]
-    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        coordinate = mesh.get_coordinate()
     for axis, placement in enumerate(placements):
         if not isinstance(placement, Shard):
             continue

@@ -27,7 +27,9 @@ unchanged) and only this replica's block is kept. A seeded draw uses a
 fresh torch.Generator (Keras makes one per call), so a replica stops after
 its rows; the unseeded draw goes on to the end of the global stream so that
 torch's global generator ends where one process's does. On other devices the
-global draw is made at once and sliced. Draws run eagerly, outside
+global draw is made at once and this replica's block copied out of it (a
+copy: a dropout mask is kept for backward, a view would keep the whole
+draw). Draws run eagerly, outside
 torch.compile (a torch.Generator cannot be traced, and compiled random ops
 draw another stream).
 """
@@ -64,14 +66,23 @@ def _is_symbolic(tensor=None):
     return device == "meta" or (tensor is not None and tensor.device.type == "meta")
 
 
+def draws_at_once(device):
+    """True where a draw is made whole and sliced (CUDA and other
+    accelerators: their streams cannot be cut into chunks), False on the
+    CPU (drawn chunk by chunk)."""
+    return device.type != "cpu"
+
+
 def _rows_of(draw, shape, box, dtype, device, to_end):
     """Block `box` of `draw(shape, out)` (one process's draw of `shape`),
     drawn row-chunk by row-chunk on the CPU; `to_end` draws the whole
     stream (a shared generator must end where one process's would)."""
     shape = tuple(int(n) for n in shape)
-    if device.type != "cpu":
+    if draws_at_once(device):
         whole = draw(shape, torch.empty(shape, dtype=dtype, device=device))
-        return whole[layouts.box_slices(box)]
+        # A copy, not a view: a dropout mask is saved for backward, and a
+        # view would keep the whole draw (replicas x this block) alive.
+        return whole[layouts.box_slices(box)].clone(memory_format=torch.contiguous_format)
     (low, high), inner = box[0], (slice(None),) + layouts.box_slices(box[1:])
     per_row = math.prod(shape[1:])
     groups = sharded_init.row_groups(shape[0], per_row, sharded_init.CHUNK_DRAWS)
@@ -156,11 +167,15 @@ def _dropout_mask(inputs, rate, noise_shape, seed):
     device = tensors.local_part(inputs).device
     if seeded:
         generator = _keras.keras_generator_for_seed(seed)
+        # Keras draws `bernoulli(full(shape, keep))` into float32 and makes
+        # it bool; the same decisions come from a bool `out` and one `keep`
+        # expanded (no buffer): 1 byte per value drawn instead of 8.
+        probability = torch.full((), keep, device=device)
 
         def draw(shape_, out):
-            return out.bernoulli_(torch.full(shape_, keep, device=out.device), generator=generator)
+            return out.bernoulli_(probability.expand(shape_), generator=generator)
 
-        block = _rows_of(draw, global_noise, box, torch.float32, device, False).bool()
+        block = _rows_of(draw, global_noise, box, torch.bool, device, False)
     else:
 
         def draw(shape_, out):

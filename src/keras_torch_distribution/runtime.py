@@ -18,7 +18,9 @@ processes then).
 """
 
 import datetime
+import inspect
 import os
+import socket
 import threading
 from urllib.parse import urlparse
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from keras_torch_distribution import _env
+from keras_torch_distribution import _keras
 from keras_torch_distribution import seeds
 from keras_torch_distribution.launch import environments
 from keras_torch_distribution.launch import spawn
@@ -46,7 +49,34 @@ def is_initialized():
 
 
 def uses_cuda():
-    return torch.cuda.is_available() and not _env.forces_cpu()
+    """True when this process computes on CUDA: CUDA is available and
+    KTD_DEVICE=cpu does not ask for CPU processes. Under KTD_DEVICE=cpu,
+    Keras' own torch device is made "cpu" too (`keep_keras_on_cpu`), so
+    that every tensor Keras makes is one gloo can carry."""
+    if _env.forces_cpu():
+        keep_keras_on_cpu()
+        return False
+    return torch.cuda.is_available()
+
+
+def keep_keras_on_cpu():
+    """Make Keras' torch backend compute on the CPU (KTD_DEVICE=cpu): on a
+    CUDA machine Keras otherwise puts every tensor on "cuda", which the
+    gloo process group of a KTD_DEVICE=cpu run cannot carry. Refuses a
+    KERAS_TORCH_DEVICE that asks for another device."""
+    current = str(_keras.default_torch_device())
+    if current == "cpu":
+        return
+    asked = os.environ.get("KERAS_TORCH_DEVICE")
+    if asked is not None and asked.strip().lower() != "cpu":
+        raise ValueError(
+            f"KTD_DEVICE=cpu asks for CPU processes (gloo), but "
+            f"KERAS_TORCH_DEVICE={asked!r} makes Keras compute on another "
+            "device, whose tensors gloo cannot carry. Unset KERAS_TORCH_DEVICE "
+            "(or set it to cpu), or unset KTD_DEVICE to run on CUDA."
+        )
+    _keras.set_default_torch_device("cpu")
+    logger.info("KTD_DEVICE=cpu: Keras' torch device is 'cpu' (it was %r)", current)
 
 
 def _backend():
@@ -102,14 +132,14 @@ def _start(job_addresses=None, num_processes=None, process_id=None, first_use=No
             launch.environment,
         )
     if launch.start == environments.SINGLE:
-        _init_process_group(store=dist.HashStore(), world_size=1, rank=0, timeout=timeout)
+        _init_process_group(store=dist.HashStore(), world_size=1, rank=0, timeout=timeout,
+                            local_rank=0)
     elif launch.init_method == "env://":
-        _init_process_group(init_method="env://", timeout=timeout)
+        _init_process_group(init_method="env://", timeout=timeout,
+                            local_rank=launch.local_rank)
     else:
         _init_process_group(init_method=launch.init_method, world_size=launch.world,
-                            rank=launch.rank, timeout=timeout)
-    if uses_cuda():
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+                            rank=launch.rank, timeout=timeout, local_rank=launch.local_rank)
     seeds.initialize_rng()
     logger.info(
         "initialized rank %d of %d (%s; %s)",
@@ -196,16 +226,22 @@ def shutdown():
     if destroyed:
         dist.destroy_process_group()
     started.clear()
+    _cpu_group.clear()
     return destroyed
 
 
 def _init_process_group(init_method=None, store=None, world_size=-1, rank=-1,
-                        timeout=None):
+                        timeout=None, local_rank=0):
     """init_process_group with every wait bounded by `timeout`.
 
     The rendezvous (for an init_method) runs first, bounded by
-    `_rendezvous`; then torch builds the group on the store it returned,
-    its own waits bounded by `timeout`.
+    `_rendezvous`; then, on CUDA, this process's GPU is made current
+    (`local_rank` % the visible devices; `local_rank` None: derived from
+    the store, see `_local_rank_from_store`) and torch builds the group on
+    the store, bound to that GPU where torch takes `device_id` (NCCL then
+    connects at once, barriers know their device, and mesh groups are
+    split from the world's communicator); its own waits are bounded by
+    `timeout`.
     """
     where = {"init_method": init_method, "rank": rank, "world_size": world_size,
              "timeout": timeout}
@@ -213,13 +249,43 @@ def _init_process_group(init_method=None, store=None, world_size=-1, rank=-1,
         if store is None:
             store, rank, world_size = _rendezvous(init_method, rank, world_size, timeout)
             store.set_timeout(timeout)
+        bound = {}
+        if uses_cuda():
+            if local_rank is None:
+                local_rank = _local_rank_from_store(store, rank, world_size)
+            index = local_rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            if _TAKES_DEVICE_ID:
+                bound["device_id"] = torch.device("cuda", index)
         dist.init_process_group(
             backend=_backend(), store=store, world_size=world_size, rank=rank,
-            timeout=timeout,
+            timeout=timeout, **bound,
         )
         started.group = dist.group.WORLD
     except (RuntimeError, ValueError, TimeoutError) as error:
         raise RuntimeError(_start_failure_message(error, where)) from error
+
+
+# torch >= 2.3 binds a process group to a device with `device_id=`.
+_TAKES_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters
+
+
+def _local_rank_from_store(store, rank, world_size):
+    """This process's index among the processes of its host, for a launch
+    that set no local rank (an explicit initialize() without LOCAL_RANK):
+    each process counts itself in on the rendezvous store under its host
+    name, so that processes of one host get distinct GPUs. The index is the
+    order of arrival (not of rank); set LOCAL_RANK for a fixed mapping."""
+    if world_size == 1:
+        return 0
+    host = socket.gethostname()
+    local = int(store.add(f"ktd/local_rank/{host}", 1)) - 1
+    logger.info(
+        "rank %d: no LOCAL_RANK was set; it is process %d of host %s (counted "
+        "on the rendezvous store) and uses GPU %d", rank, local, host,
+        local % torch.cuda.device_count(),
+    )
+    return local
 
 
 def _rendezvous(init_method, rank, world_size, timeout):
@@ -309,6 +375,57 @@ def _start_failure_message(error, where):
     )
 
 
+class CpuGroup:
+    """The process group that carries this package's small CPU-tensor
+    collectives (ranks agreeing before fit, stopping together, the shared
+    shuffle's generator state, object collectives and barriers).
+
+    The world group when it has a CPU backend (the package starts
+    "cpu:gloo,cuda:nccl" or "gloo"); for an application's group without
+    one (`init_process_group("nccl")` before keras.distribution), a gloo
+    group of all ranks made once per world group. A gloo side group rather
+    than moving these tensors to the GPU: they are read on the host right
+    away (a flag per step under StopTogether), where an NCCL collective
+    would make the host wait for every kernel queued before it, and gloo's
+    object collectives and barriers need no current CUDA device.
+    """
+
+    def __init__(self):
+        self._groups = {}  # world group -> the group for CPU tensors (why: made once)
+
+    def get(self):
+        """Collective the first time for a world group without a CPU
+        backend (it makes a group): call on every rank."""
+        world = dist.group.WORLD
+        group = self._groups.get(world)
+        if group is None:
+            self._groups.clear()  # a group of a destroyed world is dead
+            group = world if carries_cpu_tensors(world) else dist.new_group(backend="gloo")
+            self._groups[world] = group
+        return group
+
+    def clear(self):
+        self._groups.clear()
+
+
+_cpu_group = CpuGroup()
+
+
+def cpu_group():
+    """The process group for collectives on CPU tensors (see `CpuGroup`).
+    Collective the first time (when it makes a group): call on every rank."""
+    return _cpu_group.get()
+
+
+def carries_cpu_tensors(group):
+    """True when `group` has a backend for CPU tensors."""
+    device_types = getattr(group, "_device_types", None)
+    if device_types is not None:
+        return torch.device("cpu") in device_types
+    backend = str(dist.get_backend(group)).lower()
+    return backend in ("gloo", "mpi") or "cpu:" in backend
+
+
 def ensure_initialized(use="a DeviceMesh"):
     """World size, starting the process group if it is not running yet.
 
@@ -368,8 +485,17 @@ def list_devices(device_type=None):
     (collective then: call on every rank).
     """
     kind = _normalize_device_type(device_type)
-    if kind == "tpu" or (kind == "gpu" and not torch.cuda.is_available()):
+    if kind == "tpu" or (kind == "gpu" and not uses_cuda()):
         return []
+    if kind == "cpu" and uses_cuda():
+        raise ValueError(
+            f"list_devices({device_type!r}) asks for CPU devices, but this run "
+            f"computes on CUDA (process group {_backend()!r}, Keras' torch "
+            f"device {str(_keras.default_torch_device())!r}): a 'cpu' mesh "
+            "would hold CUDA tensors. Use keras.distribution.list_devices() "
+            "(or 'gpu') for this run's devices, or set KTD_DEVICE=cpu before "
+            "the processes start to run on CPU processes (gloo)."
+        )
     if not is_initialized() and detect_launch().start != environments.SINGLE:
         ensure_initialized("list_devices()")
     return [f"{kind}:{rank}" for rank in range(num_processes())]

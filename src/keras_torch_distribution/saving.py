@@ -33,13 +33,13 @@ def _collective_write(original, model, filepath, *args, **kwargs):
         try:
             return original(model, filepath, *args, **kwargs)
         finally:
-            dist.barrier()
+            dist.barrier(group=runtime.cpu_group())
     with tempfile.TemporaryDirectory(prefix="ktd-discard-") as directory:
         discard = os.path.join(directory, os.path.basename(str(filepath)))
         try:
             return original(model, discard, *args, **kwargs)
         finally:
-            dist.barrier()
+            dist.barrier(group=runtime.cpu_group())
 
 
 def save(original, model, filepath, *args, **kwargs):
@@ -93,7 +93,7 @@ def store_close(original, store):
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
         if collective:
-            dist.barrier()
+            dist.barrier(group=runtime.cpu_group())
 
 
 def summary(original, model, *args, **kwargs):

@@ -8,8 +8,11 @@ whatever the mesh, at a peak of the local block plus one chunk
 (`CHUNK_DRAWS` random numbers, 4 MiB in float32).
 
 Constant initializers and Identity build the block directly. Any other
-initializer (Orthogonal, user-defined ones) is computed in full on every rank
-and sliced: a transient cost of one whole variable, with a warning naming it.
+initializer (Orthogonal, user-defined ones) is computed in full on every rank,
+on the host (a `keras.device("cpu")` scope: no GPU ever holds the whole
+variable), and sliced there: a transient cost of one whole variable in host
+memory, with a warning naming it. Like the random blocks above, its random
+draws are then the CPU's.
 """
 
 import math
@@ -82,15 +85,18 @@ def init_block(initializer, shape, dtype, box, path):
     warn_once(
         ("full-init", path),
         "Variable %r (shape %s, %s bytes) uses %s, which cannot be initialized "
-        "shard by shard: every rank computes it whole once, then keeps its "
-        "shard.",
+        "shard by shard: every rank computes it whole once in host memory, "
+        "then keeps its shard.",
         path,
         tuple(shape),
         f"{math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size():,}",
         type(initializer).__name__,
     )
-    full = torch.as_tensor(initializer(shape, dtype=dtype))
-    return full[layouts.box_slices(box)].to(torch_dtype).to(device).contiguous()
+    with _keras.torch_device_scope("cpu"):
+        full = torch.as_tensor(initializer(shape, dtype=dtype))
+        block = full[layouts.box_slices(box)].to(torch_dtype).clone()
+    del full
+    return block.to(device)
 
 
 def row_groups(rows, draws_per_row, max_draws):

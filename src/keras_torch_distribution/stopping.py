@@ -17,8 +17,9 @@ the others had left: a gloo "collective mismatch" abort. Here:
   datasets) end on every rank at the step where the first one ended, and
   every rank says which ranks ran out.
 
-The flags travel in a CPU tensor on the world group (gloo also where NCCL
-carries the training collectives).
+The flags travel in a CPU tensor on `runtime.cpu_group()` (gloo also where
+NCCL carries the training collectives, and where the application started
+an NCCL-only group).
 """
 
 import keras
@@ -34,7 +35,7 @@ def ranks_with_flag(flag):
     call on every rank."""
     flags = torch.zeros(runtime.num_processes(), dtype=torch.int32)
     flags[runtime.process_id()] = int(bool(flag))
-    dist.all_reduce(flags)
+    dist.all_reduce(flags, group=runtime.cpu_group())
     return [rank for rank, value in enumerate(flags.tolist()) if value]
 
 

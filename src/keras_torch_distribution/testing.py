@@ -9,7 +9,10 @@ module-level functions; `run` returns each rank's result, in rank order. A
 rank that raises makes `run` raise `WorkerError` with that rank's traceback;
 ranks that do not answer within `timeout` seconds are killed and
 `TimeoutError` names them. The calling process gets no process group and no
-environment variable from the workers.
+environment variable from the workers. Each worker gets LOCAL_RANK=<its
+rank> (all run on one host), unless `env` sets LOCAL_RANK: on a GPU
+machine (a `env` that drops KTD_DEVICE / CUDA_VISIBLE_DEVICES) each then
+computes on its own GPU.
 """
 
 import contextlib
@@ -121,7 +124,9 @@ class ProcessGroupPool:
                     args=(rank, world_size, rendezvous, initialize, child_end),
                     daemon=True,
                 )
-                process.start()
+                local = {} if "LOCAL_RANK" in self.env else {"LOCAL_RANK": str(rank)}
+                with environment(local):
+                    process.start()
                 child_end.close()
                 self._processes.append(process)
                 self._connections.append(parent_end)

@@ -181,7 +181,9 @@ def initialize(original, variable, value):
         tensor = tensors.full_value(tensors.as_torch(value, dtype))
         _set_value(variable, tensor.detach())
     else:
-        _set_value(variable, tensors.to_layout(tensors.as_torch(value, dtype), torch_layout))
+        # Sliced where the value is (numpy: host memory): only this rank's
+        # block goes to the device.
+        _set_value(variable, tensors.to_layout(tensors.where_it_is(value, dtype), torch_layout))
     copies.created(variable, constant=state.initializing_constant)
 
 
@@ -211,6 +213,21 @@ _CONSTANT_INITIALIZERS = (
 )
 
 
+def convert_for_assign(original, variable, value, dtype=None):
+    """Keras `Variable._convert_to_tensor`, which `assign` (and so
+    `set_weights` and weight loading) calls on the new value first: for a
+    sharded variable, a value that is not a tensor (a numpy array, a list)
+    becomes a CPU tensor (Keras' own conversion, in a CPU device scope), so
+    that `direct_assign` slices it on the host and no device holds the
+    whole value. Tensors and variables are converted as Keras does."""
+    if isinstance(_keras.raw_value(variable), DTensor) and not isinstance(
+        value, (torch.Tensor, keras.Variable)
+    ):
+        with _keras.torch_device_scope("cpu"):
+            return original(variable, value, dtype=dtype)
+    return original(variable, value, dtype=dtype)
+
+
 def direct_assign(original, variable, value):
     """Keras `Variable._direct_assign`: reshard the new value into place."""
     current = _keras.raw_value(variable)
@@ -224,7 +241,9 @@ def direct_assign(original, variable, value):
 
 
 def to_numpy(original, variable, dtype=None, copy=None):
-    """Keras `Variable.__array__`: the global value, on every rank.
+    """Keras `Variable.__array__`: the global value, on every rank,
+    assembled in host memory (no device holds the whole variable: Keras'
+    `.keras` and `.weights.h5` saves read variables this way).
 
     Accepts numpy 2's `copy` keyword (`np.array(variable)` passes it); the
     result is always a new array, so `copy=False` cannot be honoured and
@@ -240,7 +259,7 @@ def to_numpy(original, variable, dtype=None, copy=None):
     stored = _keras.raw_value(variable)
     if not isinstance(stored, DTensor):
         return original(variable, dtype)
-    full = tensors.full_value(stored.detach())
+    full = tensors.host_value(stored.detach())  # assembled on the host
     value = _keras.convert_to_numpy(full)
     return value.astype(dtype) if dtype else value
 

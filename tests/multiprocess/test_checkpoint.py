@@ -284,3 +284,83 @@ def test_backup_and_restore_keeps_two_sharded_backups(pool2, tmp_path):
     for names, extras in pool2.run(backup_twice, str(tmp_path / "backup")):
         assert names == ["latest.ckpt", "previous.ckpt"]
         assert extras == [{"epoch": 3, "batch": 0}, {"epoch": 2, "batch": 0}]
+
+
+def async_saves_with_pinned_staging(first, second):
+    """Two async saves staged into reused "pinned" memory (there is no CUDA
+    here to pin with: pinning is recorded, not done), the weights changed
+    between them. Returns what each checkpoint holds, the values of each
+    call, whether the first save was complete when the second returned,
+    how many staging tensors were pinned, and whether the second save
+    staged into the same memory."""
+    import keras
+    import torch
+
+    from keras_torch_distribution import checkpoint
+    from keras_torch_distribution.checkpoint import _dcp
+
+    pinned = []
+    saved_pin, saved_available = torch.Tensor.pin_memory, _dcp.pinned_staging_available
+
+    def pin(tensor, *args, **kwargs):
+        pinned.append(tensor.numel())
+        return tensor
+
+    torch.Tensor.pin_memory = pin
+    _dcp.pinned_staging_available = lambda: _dcp._CACHED_STAGING
+    try:
+        distribute(SAVE_RULES)
+        model = checkpoint_model()
+        x, y = checkpoint_data()
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        before = checkpoint_values(model)
+        pending = checkpoint.async_save(model, first)
+        cache = _dcp.staging_memory.stager.state_dict_cache
+        pointers = {k: v.to_local().data_ptr() if hasattr(v, "to_local") else v.data_ptr()
+                    for k, v in cache.items() if v.dim()}
+        pinned_once = len(pinned)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        after = checkpoint_values(model)
+        second_pending = checkpoint.async_save(model, second)
+        first_complete = checkpoint.is_checkpoint(first) and pending.done()
+        cache = _dcp.staging_memory.stager.state_dict_cache
+        reused = pointers == {
+            k: v.to_local().data_ptr() if hasattr(v, "to_local") else v.data_ptr()
+            for k, v in cache.items() if v.dim()}
+        second_pending.result()
+        pending.result()
+        loaded = []
+        for path in (first, second):
+            keras.backend.clear_session()
+            distribute(OTHER_RULES)
+            fresh = checkpoint_model()
+            checkpoint.load(fresh, path)
+            loaded.append(checkpoint_values(fresh))
+        return {"before": before, "after": after, "loaded": loaded,
+                "first_complete": first_complete, "pinned_once": pinned_once,
+                "pinned": len(pinned), "reused": reused}
+    finally:
+        torch.Tensor.pin_memory = saved_pin
+        _dcp.pinned_staging_available = saved_available
+        _dcp.staging_memory.clear()
+
+
+def test_async_saves_stage_into_reused_pinned_memory(pool2, tmp_path):
+    """On CUDA, async saves stage into one pinned copy made by the first
+    save (torch's cache_staged_state_dict): the second save pins nothing
+    new and copies into the same memory, after the first save completed
+    (it was still reading that memory); each checkpoint holds its call's
+    values."""
+    from keras_torch_distribution.checkpoint import _dcp
+
+    if not _dcp._CACHED_STAGING:
+        pytest.skip("this torch has no async_stager / cache_staged_state_dict")
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    for result in pool2.run(async_saves_with_pinned_staging, first, second):
+        assert result["pinned_once"] > 0
+        assert result["pinned"] == result["pinned_once"]
+        assert result["reused"] is True
+        assert result["first_complete"] is True
+        assert_same_values(result["loaded"][0], result["before"])
+        assert_same_values(result["loaded"][1], result["after"])
+    assert sorted(os.listdir(tmp_path)) == ["first", "second"]

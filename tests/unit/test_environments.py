@@ -77,7 +77,8 @@ def _where(launch):
      {"MASTER_ADDR": "pj-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "1",
       "PET_MASTER_ADDR": "pj-master-0", "PET_MASTER_PORT": "23456", "PET_NODE_RANK": "1",
       "PET_NNODES": "3", "KUBERNETES_SERVICE_HOST": "10.0.0.1", "PYTHONUNBUFFERED": "1"},
-     ("generic", JOIN, "pj-master-0", 23456, 3, 1, 0)),
+     # No LOCAL_RANK: counted on the rendezvous store (runtime).
+     ("generic", JOIN, "pj-master-0", 23456, 3, 1, None)),
     ("T14 Kubeflow Trainer v2, one device",
      {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "auto", "PET_NODE_RANK": "1",
       "PET_MASTER_ADDR": "tj-node-0-0.tj", "PET_MASTER_PORT": "29500"},
@@ -92,7 +93,7 @@ def _where(launch):
      ("generic", JOIN, "m", 1, 6, 5, 1)),
     ("T16 Indexed Job",
      {"JOB_COMPLETION_INDEX": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "m", "MASTER_PORT": "1"},
-     ("generic", JOIN, "m", 1, 4, 2, 0)),
+     ("generic", JOIN, "m", 1, 4, 2, None)),
     ("T19 KTD_CLUSTER=none", dict(T3, KTD_CLUSTER="none"), ("local", SINGLE, None, None, 1, 0, 0)),
     ("KTD_CLUSTER forces a row under a more inner one",
      dict(T1, **T3, KTD_CLUSTER="slurm"), ("slurm", JOIN, "127.0.0.1", 29500, 4, 3, 1)),
@@ -141,6 +142,18 @@ def test_explicit_values_win_over_every_launcher():
     # Arguments win over the variables.
     launch = detect(keras_env, job_addresses="h:1", num_processes=4, process_id=3)
     assert (launch.init_method, launch.world, launch.rank) == ("tcp://h:1", 4, 3)
+
+
+def test_an_explicit_launch_takes_local_rank_or_leaves_it_to_be_counted():
+    """M2: no LOCAL_RANK is no local rank 0 (every process of a host would
+    take GPU 0): None, counted on the store by runtime; a given one is read
+    and a bad one refused."""
+    given = dict(job_addresses="h:1", num_processes=4, process_id=3)
+    assert detect({}, **given).local_rank is None
+    assert detect({"LOCAL_RANK": "1"}, **given).local_rank == 1
+    with pytest.raises(ValueError, match=r"LOCAL_RANK='x'"):
+        detect({"LOCAL_RANK": "x"}, **given)
+    assert detect({}, job_addresses="h:1", num_processes=1, process_id=0).local_rank == 0
 
 
 def test_detection_fills_what_is_not_given():

@@ -101,13 +101,156 @@ def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
     monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 4)
     monkeypatch.setattr(seeds, "initialize_rng", calls.initialize_rng)
     keras.distribution.initialize("10.0.0.1:1234", 4, 3)
+    # The GPU is current before the group is made, and the group is bound
+    # to it (NCCL connects at once; barriers and mesh groups know it).
     assert calls.mock_calls == [
         mock.call.rendezvous("tcp://10.0.0.1:1234", 3, 4, timeout=_SEVEN_SECONDS),
-        mock.call.init_process_group(backend="cpu:gloo,cuda:nccl", store=store,
-                                     world_size=4, rank=3, timeout=_SEVEN_SECONDS),
         mock.call.set_device(1),
+        mock.call.init_process_group(backend="cpu:gloo,cuda:nccl", store=store,
+                                     world_size=4, rank=3, timeout=_SEVEN_SECONDS,
+                                     device_id=runtime.torch.device("cuda", 1)),
         mock.call.initialize_rng(),
     ]
+
+
+def _started_on_cuda(torch_start, monkeypatch, device_count=2):
+    """torch_start with CUDA "available" and the group "started"."""
+    from keras_torch_distribution import seeds
+
+    calls, store = torch_start
+    calls.init_process_group.side_effect = None
+    monkeypatch.delenv("KTD_DEVICE")
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.torch.cuda, "device_count", lambda: device_count)
+    monkeypatch.setattr(runtime.torch.cuda, "set_device", calls.set_device)
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(seeds, "initialize_rng", calls.initialize_rng)
+    return calls, store
+
+
+def test_an_explicit_start_without_local_rank_counts_the_host_processes(
+        torch_start, monkeypatch):
+    """initialize(job_addresses, n, id) on a GPU host with no LOCAL_RANK:
+    the process counts itself in on the store under its host name (the
+    third process of this host here), instead of taking GPU 0 as every
+    other process of the host would."""
+    calls, store = _started_on_cuda(torch_start, monkeypatch, device_count=4)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    store.add.return_value = 3  # two processes of this host came first
+    keras.distribution.initialize("10.0.0.1:1234", 4, 1)
+    store.add.assert_called_once_with(f"ktd/local_rank/{runtime.socket.gethostname()}", 1)
+    calls.set_device.assert_called_once_with(2)
+    assert calls.init_process_group.call_args.kwargs["device_id"] == runtime.torch.device(
+        "cuda", 2)
+
+
+def test_a_given_local_rank_is_not_counted(torch_start, monkeypatch):
+    calls, store = _started_on_cuda(torch_start, monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    keras.distribution.initialize("10.0.0.1:1234", 4, 1)
+    store.add.assert_not_called()
+    calls.set_device.assert_called_once_with(1)
+
+
+def test_a_cpu_start_touches_no_gpu(torch_start, monkeypatch):
+    """KTD_DEVICE=cpu on a CUDA machine: gloo, no device, no device_id."""
+    from keras_torch_distribution import seeds
+
+    calls, store = torch_start
+    calls.init_process_group.side_effect = None
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.torch.cuda, "set_device", calls.set_device)
+    monkeypatch.setattr(runtime._keras.torch_core_module, "DEFAULT_DEVICE", "cuda")
+    monkeypatch.setattr(runtime.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(seeds, "initialize_rng", calls.initialize_rng)
+    keras.distribution.initialize("10.0.0.1:1234", 2, 1)
+    assert calls.mock_calls == [
+        mock.call.rendezvous("tcp://10.0.0.1:1234", 1, 2, timeout=_SEVEN_SECONDS),
+        mock.call.init_process_group(backend="gloo", store=store, world_size=2, rank=1,
+                                     timeout=_SEVEN_SECONDS),
+        mock.call.initialize_rng(),
+    ]
+    store.add.assert_not_called()
+
+
+# ---------------------------------------------------------------------------
+# KTD_DEVICE=cpu on a CUDA machine (mocked CUDA)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_machine(monkeypatch):
+    """CUDA "available", and Keras' torch device "cuda" as Keras picks it
+    there (restored after the test)."""
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime._keras.torch_core_module, "DEFAULT_DEVICE", "cuda")
+    monkeypatch.delenv("KERAS_TORCH_DEVICE", raising=False)
+
+
+def test_ktd_device_cpu_makes_keras_compute_on_the_cpu(cuda_machine, monkeypatch):
+    """KTD_DEVICE=cpu picks gloo; Keras must then make CPU tensors too (gloo
+    cannot carry CUDA ones), in every thread and after clear_session."""
+    import threading
+
+    monkeypatch.setenv("KTD_DEVICE", "cpu")
+    assert runtime._backend() == "gloo"
+    assert str(runtime._keras.torch_device()) == "cpu"
+    keras.backend.clear_session()
+    assert keras.ops.zeros((2,)).device.type == "cpu"
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(str(runtime._keras.torch_device())))
+    thread.start()
+    thread.join()
+    assert seen == ["cpu"]
+
+
+def test_ktd_device_cpu_refuses_another_keras_torch_device(cuda_machine, monkeypatch):
+    monkeypatch.setenv("KTD_DEVICE", "cpu")
+    monkeypatch.setenv("KERAS_TORCH_DEVICE", "cuda:0")
+    with pytest.raises(ValueError, match=(
+            r"^KTD_DEVICE=cpu asks for CPU processes \(gloo\), but "
+            r"KERAS_TORCH_DEVICE='cuda:0' makes Keras compute on another device")):
+        runtime.uses_cuda()
+
+
+def test_without_ktd_device_keras_stays_on_cuda(cuda_machine, monkeypatch):
+    monkeypatch.delenv("KTD_DEVICE", raising=False)
+    assert runtime.uses_cuda()
+    assert runtime._keras.default_torch_device() == "cuda"
+
+
+def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):
+    """A 'cpu' mesh on a CUDA run would hold CUDA tensors: refused, from
+    list_devices('cpu') and from hand-written 'cpu:R' devices."""
+    from keras_torch_distribution import layouts
+
+    monkeypatch.delenv("KTD_DEVICE", raising=False)
+    monkeypatch.setattr(runtime, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match=(
+            r"^list_devices\('cpu'\) asks for CPU devices, but this run computes on "
+            r"CUDA \(process group 'cpu:gloo,cuda:nccl', Keras' torch device 'cuda'\)")):
+        keras.distribution.list_devices("cpu")
+    monkeypatch.setattr(layouts.runtime, "ensure_initialized", lambda: 1)
+    mesh = keras.distribution.DeviceMesh((1,), ["batch"], ["cpu:0"])
+    with pytest.raises(ValueError, match=r"^DeviceMesh devices \['cpu:0'\] are CPUs, but "
+                                         r"this run computes on CUDA"):
+        layouts.to_torch_mesh(mesh)
+
+
+def test_gpu_devices_under_ktd_device_cpu_are_refused(cuda_machine, monkeypatch):
+    from keras_torch_distribution import layouts
+
+    monkeypatch.setenv("KTD_DEVICE", "cpu")
+    monkeypatch.setattr(runtime, "is_initialized", lambda: False)
+    assert keras.distribution.list_devices("gpu") == []
+    monkeypatch.setattr(layouts.runtime, "ensure_initialized", lambda: 1)
+    mesh = keras.distribution.DeviceMesh((1,), ["batch"], ["gpu:0"])
+    with pytest.raises(ValueError, match=r"are GPUs, but KTD_DEVICE=cpu runs this process "
+                                         r"on the CPU"):
+        layouts.to_torch_mesh(mesh)
 
 
 @pytest.mark.parametrize("job_addresses", ["node-a:0", "node-a:70000", "node-a:",

@@ -238,3 +238,25 @@ def test_built_in_initializers_do_not_warn(warnings_seen, monkeypatch):
         _check_all_boxes(SEEDED[name], (33, 17), (2, 2), path=f"layer_{name}/kernel")
     _check_all_boxes(lambda: keras.initializers.Identity(), (8, 8), (2, 2))
     assert warnings_seen == []
+
+
+def test_a_whole_fallback_value_is_computed_on_the_host(monkeypatch):
+    """An initializer that cannot be drawn block by block computes the whole
+    variable in host memory (a CPU device scope); only the block goes to
+    Keras' device ("meta" stands for the GPU here: without the scope, the
+    initializer would compute the whole variable there)."""
+    from helpers import Allocations
+    from keras_torch_distribution import _keras
+
+    shape, box = (40, 16), ((10, 20), (0, 16))
+    expected = np.asarray(Wavy()(shape, dtype="float32"))[10:20]
+    monkeypatch.setattr(_keras.torch_core_module, "DEFAULT_DEVICE", "meta")
+    with Allocations() as made:
+        block = sharded_init.init_block(Wavy(), shape, "float32", box, "wavy/kernel")
+    assert block.device.type == "meta" and tuple(block.shape) == (10, 16)
+    assert made.largest("meta") == 10 * 16
+    assert made.largest("cpu") == 40 * 16  # whole, on the host only
+    monkeypatch.setattr(_keras.torch_core_module, "DEFAULT_DEVICE", "cpu")
+    block = sharded_init.init_block(Wavy(), shape, "float32", box, "wavy/kernel")
+    np.testing.assert_array_equal(block.numpy(), expected)
+    assert block.untyped_storage().nbytes() == 10 * 16 * 4  # not a view of the whole

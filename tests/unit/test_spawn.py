@@ -124,7 +124,7 @@ def test_one_task_per_node_without_spawning_joins_one_process_per_node(machine, 
             keras.distribution.initialize()
     assert machine.init_process_group.call_args.kwargs == {
         "init_method": "tcp://n1:1234", "world_size": 2, "rank": 1,
-        "timeout": mock.ANY}
+        "timeout": mock.ANY, "local_rank": 0}
     assert "this process runs as rank 1 of 2, one process per node, on one device" in \
         caplog.text
 

@@ -22,6 +22,7 @@
 """
 
 import contextlib
+import inspect
 import json
 import os
 import pickle
@@ -35,7 +36,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import staging as dcp_staging
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import runtime
 import keras_torch_distribution.checkpoint._files as _files
@@ -471,6 +474,70 @@ def _async_process_group():
     return _async_group[world]
 
 
+# torch's async_save takes a stager of its own (`async_stager=`) and its
+# BlockingAsyncStager can keep the staged copy (`cache_staged_state_dict`,
+# in pinned memory): both since torch 2.4ish; detected, not assumed.
+_CACHED_STAGING = (
+    "async_stager" in inspect.signature(dcp.async_save).parameters
+    and hasattr(dcp_staging, "BlockingAsyncStager")
+    and "cache_staged_state_dict"
+    in inspect.signature(dcp_staging.BlockingAsyncStager.__init__).parameters
+)
+
+
+class StagingMemory:
+    """Where async saves copy the values before returning, on CUDA: one
+    pinned host copy of this rank's state, made by the first save and
+    reused by the next ones (torch's BlockingAsyncStager with
+    cache_staged_state_dict=True), as torchtitan stages. Pinned memory
+    makes the device-to-host copy fast; reusing it spares a new host copy
+    per save. It is kept while the saved variables keep their structure
+    (keys, shapes, dtypes, layouts) and made again when it changes; it
+    holds one copy of this rank's state in host memory for as long.
+
+    Without CUDA (nothing to pin) or on a torch without these, each save
+    stages into fresh memory as torch's FileSystemWriter does."""
+
+    def __init__(self):
+        self.stager = None
+        self.structure = None  # of the state dict `stager` holds a copy of
+
+    def stager_for(self, state_dict):
+        """The stager for `state_dict`, or None (the writer stages)."""
+        if not pinned_staging_available():
+            return None
+        structure = _structure(state_dict)
+        if structure != self.structure:
+            self.stager = dcp_staging.BlockingAsyncStager(cache_staged_state_dict=True)
+            self.structure = structure
+        return self.stager
+
+    def clear(self):
+        self.stager = self.structure = None
+
+
+staging_memory = StagingMemory()
+
+
+def pinned_staging_available():
+    """True where async saves stage into reused pinned memory: this torch
+    has the stager, and the values are on CUDA (CPU memory needs no
+    staging copy pinned for a device)."""
+    return _CACHED_STAGING and runtime.uses_cuda()
+
+
+def _structure(state_dict):
+    """What a staged copy of `state_dict` must match to be reused."""
+    entries = []
+    for key, value in sorted(state_dict.items()):
+        local = value.to_local() if isinstance(value, DTensor) else value
+        entries.append((
+            key, type(value).__name__, tuple(value.shape), str(value.dtype),
+            tuple(local.shape), str(getattr(value, "placements", None)),
+        ))
+    return tuple(entries)
+
+
 class PendingCheckpoint:
     """An `async_save` in progress. `result()` waits for the files and makes
     the checkpoint complete (renames it into place); until then `path` holds
@@ -506,8 +573,10 @@ class PendingCheckpoint:
 
 
 def async_save(model, path, optimizer=True, extra=None):
-    """Like `save`, but returns after copying the values into CPU memory;
-    the files are written by a background thread (torch's
+    """Like `save`, but returns after copying the values into CPU memory
+    (on CUDA, pinned memory reused by the next saves: `StagingMemory`;
+    pending saves then complete before the next one copies); the files are
+    written by a background thread (torch's
     `dcp.async_save`, over a separate gloo process group made on the first
     call). Training may change the variables meanwhile. Call `result()` on
     the returned `PendingCheckpoint` (every rank) before exiting: only then
@@ -518,17 +587,35 @@ def async_save(model, path, optimizer=True, extra=None):
     group = _async_process_group()
     path, variables, marker = _begin_save(model, path, optimizer, extra, group)
     writer = _Writer(path + _files.INCOMPLETE_SUFFIX)
+    state_dict = _keys.state_dict(variables)
+    stager = staging_memory.stager_for(state_dict)
+    staging = {}
+    if stager is not None:
+        # The saves still writing read the staged copy this one overwrites:
+        # they complete first (collective: every rank has the same ones).
+        _complete_all_pending()
+        staging["async_stager"] = stager
     with _OneProcessIsIntended(), _translated("save", path):
         future = dcp.async_save(
-            _keys.state_dict(variables),
+            state_dict,
             storage_writer=writer,
             process_group=group,
             no_dist=_no_dist(),
+            **staging,
         )
     pending = PendingCheckpoint(future, path, marker, group, writer)
     with _unfinished_lock:
         _unfinished.append(pending)
     return pending
+
+
+def _complete_all_pending():
+    """Complete this process's pending async saves (every rank has the same
+    ones: async_save is collective). Collective: call on every rank."""
+    with _unfinished_lock:
+        pending = list(_unfinished)
+    for handle in pending:
+        handle.result()
 
 
 def _complete_pending_for(path):
@@ -578,8 +665,10 @@ def complete_at_exit():
 
 def forget_process_groups():
     """Drop the background-save group once the process group is destroyed
-    (it is dead then), so that torch frees it while the interpreter runs."""
+    (it is dead then), so that torch frees it while the interpreter runs;
+    and the staging memory with it."""
     _async_group.clear()
+    staging_memory.clear()
 
 
 def load(model, path, optimizer=True):

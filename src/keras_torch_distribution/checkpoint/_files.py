@@ -271,8 +271,11 @@ def problems(directory, marker):
 
 
 def barrier(group=None):
+    """Every rank waits for the others, on `group` (default: the group for
+    CPU tensors, `runtime.cpu_group()`, which needs no current GPU).
+    Collective: call on every rank."""
     if runtime.is_multi_process():
-        dist.barrier(group=group)
+        dist.barrier(group=group or runtime.cpu_group())
 
 
 def agree(step, group=None):
@@ -286,6 +289,7 @@ def agree(step, group=None):
     except Exception as caught:  # re-raised below, on every rank
         error = caught
     if runtime.is_multi_process():
+        group = group or runtime.cpu_group()
         errors = [None] * dist.get_world_size(group)
         dist.all_gather_object(errors, _portable(error), group=group)
         first = next((e for e in errors if e is not None), None)
@@ -363,6 +367,7 @@ def finish(path, marker, written, group=None):
     Collective: call on every rank."""
     everyone = [written]
     if runtime.is_multi_process():
+        group = group or runtime.cpu_group()
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, written, group=group)
     if runtime.process_id() == 0:

@@ -47,6 +47,7 @@ from keras_torch_distribution.launch.variables import IncompleteEnvironmentError
 from keras_torch_distribution.launch.variables import Launch
 from keras_torch_distribution.launch.variables import Outside
 from keras_torch_distribution.launch.variables import node_processes
+from keras_torch_distribution.launch.variables import read_local_rank_or_none
 from keras_torch_distribution.launch.variables import read_whole
 from keras_torch_distribution.launch.variables import read_port_or_none
 from keras_torch_distribution.launch.variables import shown
@@ -118,10 +119,12 @@ def _explicit(env, job_addresses, num_processes, process_id):
         )
     _check_rank(num_processes, process_id)
     url = coordinator_url(job_addresses)
-    local = env.get("LOCAL_RANK", "0")
+    # Without LOCAL_RANK, runtime counts the processes of each host on the
+    # store: taking 0 would put every process of a host on GPU 0.
+    local = read_local_rank_or_none(env, "LOCAL_RANK") if num_processes > 1 else 0
     return Launch(
         "explicit", JOIN if num_processes > 1 else SINGLE, num_processes, process_id,
-        int(local) if local.isdigit() else 0, init_method=url,
+        local, init_method=url,
         variables=(("job_addresses", job_addresses), ("num_processes", num_processes),
                    ("process_id", process_id)),
     )

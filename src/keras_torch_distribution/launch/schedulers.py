@@ -21,6 +21,7 @@ from keras_torch_distribution.launch.variables import join
 from keras_torch_distribution.launch.variables import node_processes
 from keras_torch_distribution.launch.variables import present
 from keras_torch_distribution.launch.variables import read_local_rank
+from keras_torch_distribution.launch.variables import read_local_rank_or_none
 from keras_torch_distribution.launch.variables import read_port
 from keras_torch_distribution.launch.variables import read_whole
 from keras_torch_distribution.launch.variables import require
@@ -90,7 +91,7 @@ def _generic(env, local_devices, outside, forced):
             "process; or unset WORLD_SIZE for a one-process run."
         )
     names = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") + rank_names
-    return join("generic", env, world, rank, read_local_rank(env, "LOCAL_RANK"),
+    return join("generic", env, world, rank, read_local_rank_or_none(env, "LOCAL_RANK"),
                  env["MASTER_ADDR"], read_port(env, "MASTER_PORT"), names,
                  "env://" if "RANK" in env else None)
 
