@@ -9,7 +9,18 @@ has them; this module changes only what is missing or wrong:
   bypasses sharding propagation with an older rule that labels the output
   of an output-channel-sharded kernel Replicate while it holds only the
   local channels. torch>=2.14's `convolution_backward` strategy is fixed
-  for gradients nobody asked for (`_masked_gradients_left_out`).
+  for gradients nobody asked for (`_masked_gradients_left_out`). Where
+  torch has no single-dim strategy for them (2.11, 2.12), the package
+  supplies the same ones (`_convolution_rule`, `_convolution_backward_rule`:
+  sharded on the batch, or replicated; a kernel sharded on channels is
+  gathered for the op), since the older rule would be used otherwise.
+- Index writes: `aten.index_put` / `index_put_` / `_index_put_impl_`
+  (Keras' `scatter_update`, `x[index] = value`), where torch has no
+  single-dim strategy for them (2.11, 2.12): torch's older rule keeps a
+  tensor sharded on the dim it indexes (global indices written into local
+  blocks: wrong rows, or an index out of bounds), and the in-place ops
+  have none. `_index_put_strategy` keeps the sharding of dims that are
+  not indexed, and replicates the rest, as 2.13's does.
 - Attention: `aten._scaled_dot_product_flash_attention_for_cpu` (CPU) and,
   where torch has no single-dim strategy for them (2.13), the CUDA
   `_scaled_dot_product_{flash,efficient,cudnn}_attention`, with their
@@ -24,12 +35,13 @@ and taken out again by `uninstall()`, which puts back what torch had (its
 own strategies and handlers).
 """
 
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor import Shard
 import dataclasses
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 aten = torch.ops.aten
@@ -235,6 +247,183 @@ def _attention_ops():
     return [getattr(aten, name).default for name in _ATTENTION_RESULTS]
 
 
+# ---------------------------------------------------------------------------
+# Rules torch's DTensor has as single-dim strategies from 2.13 on, and
+# lacks or gets wrong before (2.11, 2.12). Each is registered only where
+# torch has no single-dim strategy for the op (`register`).
+# ---------------------------------------------------------------------------
+
+
+def _convolution_rule(input, weight, bias, *args):
+    """torch 2.13's `convolution` strategies: sharded on the batch with the
+    kernel and bias replicated, or all replicated. A kernel sharded on its
+    channels is gathered for the op (as on torch 2.13)."""
+    rest = [None] * len(args)
+    bias_placement = None if bias is None else Replicate()
+    return [
+        ([Replicate()], [Replicate(), Replicate(), bias_placement, *rest]),
+        ([Shard(0)], [Shard(0), Replicate(), bias_placement, *rest]),
+    ]
+
+
+def _convolution_backward_rule(grad_output, input, weight, bias_sizes, *args):
+    """torch 2.13's `convolution_backward` strategies (gradients of the
+    input, kernel and bias from the output's gradient, the input and the
+    kernel): sharded on the batch, the kernel's and bias' gradients then
+    partial sums; or all replicated. Gradients `output_mask` does not ask
+    for are left out (None)."""
+    mask = args[-1]
+    rest = [None] * len(args)
+
+    def outputs(grad_input, grad_weight, grad_bias):
+        if bias_sizes is None:
+            grad_bias = None
+        return [
+            p if want else None
+            for p, want in zip((grad_input, grad_weight, grad_bias), mask)
+        ]
+
+    return [
+        (
+            outputs(Replicate(), Replicate(), Replicate()),
+            [Replicate(), Replicate(), Replicate(), None, *rest],
+        ),
+        (
+            outputs(Shard(0), Partial(), Partial()),
+            [Shard(0), Shard(0), Replicate(), None, *rest],
+        ),
+    ]
+
+
+# op -> (its rule, the first argument DTensor's sharding cache must key on).
+# A convolution's result shape depends on its stride, padding, ...;
+# `register_sharding` would key on its int arguments only (`groups`).
+_CONVOLUTION_RULES = {
+    aten.convolution.default: (_convolution_rule, 3),
+    aten.convolution_backward.default: (_convolution_backward_rule, 3),
+}
+
+
+def _index_put_strategy(op_schema):
+    """`index_put(self, indices, values, accumulate)` and its in-place
+    forms, as torch 2.13's single-dim strategy places them: the index
+    tensors replicated; `self` (and the result) keeps a Shard of a dim it is
+    not indexed on, `values` sharded on the matching dim (replicated where
+    it broadcasts); anything else replicated. An in-place write into a
+    tensor sharded on an indexed dim cannot keep its placement: refused."""
+    from torch.distributed.tensor._op_schema import OpSpec
+    from torch.distributed.tensor._op_schema import OpStrategy
+    from torch.distributed.tensor._op_schema import TupleStrategy
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+
+    self_strategy, indices, values = op_schema.args_schema[:3]
+    mesh = self_strategy.mesh
+    self_spec = self_strategy.strategies[0].output_spec
+    self_shape = tuple(self_spec.tensor_meta.shape)
+    values_spec = values.strategies[0].output_spec if isinstance(values, OpStrategy) else None
+    values_shape = tuple(values_spec.tensor_meta.shape) if values_spec is not None else ()
+    # DTensor wraps a list of index specs as a TupleStrategy, but leaves a
+    # list whose first entry is None (`x[:, i]`) a list of specs.
+    entries = indices.children if isinstance(indices, TupleStrategy) else list(indices)
+    index_strategies = []
+    indexed = []  # the dims of self the index tensors index
+    index_ndims = []  # the dims each index tensor adds to the result
+    known = True  # whether every index is understood (else: replicate all)
+    dim = 0
+    for entry in entries:
+        if entry is None:
+            dim += 1
+            continue
+        if isinstance(entry, DTensorSpec):
+            entry = OpStrategy([OpSpec(entry)])
+        index_strategies.append(entry)
+        meta = entry.strategies[0].output_spec.tensor_meta
+        if meta.dtype in (torch.bool, torch.uint8):
+            # A mask indexes as many dims as it has, and adds one (its
+            # true entries) to the result.
+            known = known and len(meta.shape) > 0
+            indexed.extend(range(dim, dim + len(meta.shape)))
+            dim += len(meta.shape)
+            index_ndims.append(1)
+        else:
+            indexed.append(dim)
+            dim += 1
+            index_ndims.append(len(meta.shape))
+    non_indexed = [d for d in range(len(self_shape)) if d not in indexed]
+    broadcast_ndim = max(index_ndims, default=0)
+    contiguous = not indexed or indexed[-1] - indexed[0] + 1 == len(indexed)
+
+    def values_dim(self_dim):
+        """The dim of `values` written along `self_dim` (not indexed), or
+        None where values broadcast along it."""
+        if contiguous and indexed:
+            dim = self_dim if self_dim < indexed[0] else self_dim - len(indexed) + broadcast_ndim
+        else:  # the indexed dims go first
+            dim = broadcast_ndim + non_indexed.index(self_dim)
+        dim -= broadcast_ndim + len(non_indexed) - len(values_shape)
+        return dim if dim >= 0 and values_shape[dim] != 1 else None
+
+    kept_self, kept_values = [], []
+    for placement in self_spec.placements:
+        if isinstance(placement, Shard) and placement.dim in non_indexed and known:
+            dim = values_dim(placement.dim)
+            kept_self.append(placement)
+            kept_values.append(Replicate() if dim is None else Shard(dim))
+        else:
+            kept_self.append(Replicate())
+            kept_values.append(Replicate())
+    replicated = [Replicate()] * mesh.ndim
+    candidates = [(kept_self, kept_values)]
+    if kept_self != replicated or kept_values != replicated:
+        candidates.append((replicated, replicated))
+    if op_schema.is_inplace_op():
+        candidates = [c for c in candidates if tuple(c[0]) == tuple(self_spec.placements)]
+        if not candidates:
+            raise RuntimeError(
+                f"{op_schema.op}: writes in place into a tensor placed "
+                f"{tuple(self_spec.placements)}, sharded on a dim it indexes "
+                f"(indexed dims {indexed}); an in-place write cannot change "
+                "its placement. Replicate the tensor first, or use the "
+                "out-of-place `index_put`."
+            )
+
+    strategy = OpStrategy([])
+    for self_placements, values_placements in candidates:
+        out = DTensorSpec(mesh, tuple(self_placements), tensor_meta=self_spec.tensor_meta)
+        input_specs = [out]
+        costs = [generate_redistribute_costs(self_strategy, out)]
+        for index in index_strategies:
+            spec = DTensorSpec(
+                mesh, tuple(replicated), tensor_meta=index.strategies[0].output_spec.tensor_meta
+            )
+            input_specs.append(spec)
+            costs.append(generate_redistribute_costs(index, spec))
+        if values_spec is not None:
+            spec = DTensorSpec(mesh, tuple(values_placements), tensor_meta=values_spec.tensor_meta)
+            input_specs.append(spec)
+            costs.append(generate_redistribute_costs(values, spec))
+        strategy.strategies.append(
+            OpSpec(output_specs=out, input_specs=input_specs, redistribute_cost=costs)
+        )
+    return strategy
+
+
+_INDEX_PUT_OPS = (
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+)
+
+
+def _register_strategy(propagator, op, strategy, schema_info):
+    """Put `strategy` in DTensor's table for `op`, keeping torch's own
+    strategy and schema info (if any) for `unregister`."""
+    registration.strategies[op] = propagator.op_strategy_funcs.get(op)
+    registration.schema_infos[op] = propagator.op_to_schema_info.get(op)
+    propagator.register_op_strategy(op, strategy, schema_info)
+
+
 class Registration:
     """What `register` replaced in DTensor's dispatcher, to put it back."""
 
@@ -259,7 +448,7 @@ def _dispatcher_tables():
         raise RuntimeError(
             f"torch {torch.__version__}: DTensor's op dispatcher has no "
             "_custom_op_handlers or single-dim strategies; keras_torch_distribution "
-            "supports torch>=2.13,<2.16 (tested on 2.13.0 and 2.15.0). "
+            "supports torch>=2.11,<2.16 (tested on 2.11.0, 2.13.0 and 2.15.0). "
             "Install torch==2.15.0."
         )
     return propagator, handlers
@@ -269,11 +458,20 @@ def register():
     """Register the rules with DTensor (once per process until `unregister`)."""
     if registration.active:
         return
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
     propagator, handlers = _dispatcher_tables()
     single_dim = propagator.op_single_dim_strategy_funcs
-    convolutions = (aten.convolution.default, aten.convolution_backward.default)
-    for op in convolutions:
+    for op, (rule, static_argnum) in _CONVOLUTION_RULES.items():
         registration.handlers[op] = handlers.pop(op, None)
+        if op in single_dim:
+            continue
+        # torch<2.13: its older rule would be used, which labels a conv's
+        # output with its input's placements whatever the kernel's.
+        registration.strategies[op] = propagator.op_strategy_funcs.get(op)
+        registration.schema_infos[op] = propagator.op_to_schema_info.get(op)
+        register_sharding(op)(rule)
+        propagator.op_to_schema_info[op] = RuntimeSchemaInfo(static_argnum, needs_pytree=True)
     backward = aten.convolution_backward.default
     if backward in single_dim:
         torch_own = single_dim[backward]  # a record of the function and its options
@@ -281,6 +479,12 @@ def register():
         single_dim[backward] = dataclasses.replace(
             torch_own, func=_masked_gradients_left_out(torch_own.func)
         )
+    for op in _INDEX_PUT_OPS:
+        if op not in single_dim:
+            _register_strategy(
+                propagator, op, _index_put_strategy,
+                RuntimeSchemaInfo(3, needs_pytree=True),
+            )
     for op in _attention_ops():
         if op in single_dim:  # torch's own takes precedence over any rule
             continue

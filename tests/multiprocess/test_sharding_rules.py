@@ -1,5 +1,6 @@
-"""DTensor rules for attention (every SDPA op, masks included) and Keras'
-slice/scatter updates meeting DTensors, against one process.
+"""DTensor rules for attention (every SDPA op, masks included), index
+writes (`x[index] = value`) and Keras' slice/scatter updates meeting
+DTensors, against one process.
 
 The CUDA attention kernels cannot run on CPU: their rules are checked
 against the ops' schemas (one placement per tensor argument and result)."""
@@ -12,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor import distribute_tensor
 
 from keras_torch_distribution import sharding_rules
 
@@ -217,3 +219,86 @@ def test_slice_and_scatter_updates_write_dtensors_into_plain_tensors(pool2):
         np.testing.assert_array_equal(sliced[1], want_sliced)
         np.testing.assert_array_equal(at_index[1], want_index)
         np.testing.assert_array_equal(scattered[1], want_scattered)
+
+
+# (name, self shape, indices as (dim or None, values) per entry, values
+# shape, accumulate): rows, rows into a broadcast value, rows accumulated
+# twice, a later dim, two dims side by side, two dims apart (the indexed
+# dims go first in values), a boolean mask of rows.
+INDEX_WRITES = [
+    ("rows", (5, 4), ([1, 3],), (2, 4), False),
+    ("broadcast", (5, 4), ([1, 3],), (1, 4), False),
+    ("accumulate", (5, 4), ([1, 1, 3],), (3, 4), True),
+    ("later dim", (2, 6, 4), (None, [1, 3]), (2, 2, 4), False),
+    ("side by side", (4, 5, 4), ([1, 3], [0, 2]), (2, 4), False),
+    ("apart", (4, 4, 6), ([1, 3], None, [0, 5]), (2, 4), False),
+    ("mask", (5, 4), ([True, False, True, False, False],), (2, 4), False),
+]
+
+
+def index_writes():
+    """aten.index_put / index_put_ (`x[index] = value`, Keras'
+    scatter_update) on DTensors of each placement, values plain or placed:
+    (case, self placement, values placement, in place, result placements
+    or the error, error against plain tensors)."""
+    mesh = _mesh_1d()
+    results = []
+    for name, shape, entries, values_shape, accumulate in INDEX_WRITES:
+        generator = torch.Generator().manual_seed(0)
+        base = torch.randn(shape, generator=generator)
+        values = torch.randn(values_shape, generator=generator)
+        indices = [None if e is None else torch.tensor(e) for e in entries]
+        want = torch.ops.aten.index_put.default(base, indices, values, accumulate)
+        self_placements = [Replicate()] + [Shard(d) for d in range(len(shape))]
+        values_placements = [None, Replicate()] + [
+            Shard(d) for d in range(len(values_shape)) if values_shape[d] % 2 == 0
+        ]
+        for self_placement in self_placements:
+            for values_placement in values_placements:
+                for in_place in (False, True):
+                    x = distribute_tensor(base.clone(), mesh, [self_placement])
+                    v = values if values_placement is None else distribute_tensor(
+                        values, mesh, [values_placement]
+                    )
+                    op = torch.ops.aten.index_put_ if in_place else torch.ops.aten.index_put
+                    where = (name, repr(self_placement), repr(values_placement), in_place)
+                    try:
+                        got = op.default(x, indices, v, accumulate)
+                    except RuntimeError as error:
+                        results.append((*where, f"RuntimeError: {error}", None))
+                        continue
+                    error = float((got.full_tensor() - want).abs().max())
+                    results.append((*where, repr(tuple(got.placements)), error))
+    return results
+
+
+def _mesh_1d():
+    import keras
+
+    return keras.distribution.DeviceMesh(
+        (2,), ["model"], keras.distribution.list_devices()
+    ).backend_mesh
+
+
+def test_index_writes_into_dtensors_match_plain(pool2):
+    """Every write gives the plain tensors' numbers. A tensor sharded on a
+    dim it is not indexed on keeps its placement; one sharded on an indexed
+    dim is replicated for an out-of-place write, and an in-place write into
+    it is refused (it cannot keep its placement): never wrong rows."""
+    indexed_dims = {
+        name: {d for d, e in enumerate(entries) if e is not None}
+        for name, _, entries, _, _ in INDEX_WRITES
+    }
+    for results in pool2.run(index_writes):
+        assert len(results) == 188, len(results)
+        for name, self_placement, values_placement, in_place, got, error in results:
+            where = (name, self_placement, values_placement, in_place)
+            on_indexed = any(
+                self_placement == repr(Shard(d)) for d in indexed_dims[name]
+            )
+            if got.startswith("RuntimeError"):
+                assert in_place and on_indexed, (where, got)
+                continue
+            assert error < 1e-6, (where, got, error)
+            if self_placement.startswith("Shard") and not on_indexed:  # kept
+                assert got == f"({self_placement},)", (where, got)

@@ -22,6 +22,12 @@ _RULE_OPS = (
     torch.ops.aten.convolution_backward.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 )
+# Index writes: the package's strategy where torch has no single-dim one.
+_INDEX_PUT_OPS = (
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+)
 
 
 @pytest.fixture
@@ -41,7 +47,7 @@ def _dtensor_tables():
             propagator.op_single_dim_strategy_funcs.get(op),
             dispatcher._custom_op_handlers.get(op),
         )
-        for op in _RULE_OPS
+        for op in _RULE_OPS + _INDEX_PUT_OPS
     }
 
 
@@ -60,13 +66,25 @@ def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
     keras_torch_distribution.install()
     ours = _dtensor_tables()
     assert _implicit_replication()
-    # Its handlers are out; its own convolution strategies stay in use
-    # (the backward one wrapped); ours is registered for CPU attention,
-    # which torch has no strategy for.
+    # Its handlers are out; ours is registered for CPU attention, which
+    # torch has no strategy for.
     assert ours[conv][3] is None and ours[backward][3] is None
-    assert ours[conv][:3] == torch_own[conv][:3]
-    assert ours[backward][2] is not torch_own[backward][2]
     assert torch_own[attention][0] is None and ours[attention][0] is not None
+    if torch_own[conv][2] is not None:
+        # torch>=2.13: its own convolution strategies stay in use (the
+        # backward one wrapped).
+        assert ours[conv][:3] == torch_own[conv][:3]
+        assert ours[backward][2] is not torch_own[backward][2]
+    else:
+        # Before: the package's strategies, not torch's older rules.
+        for op in (conv, backward):
+            assert torch_own[op][0] is None and ours[op][0] is not None, op
+    for op in _INDEX_PUT_OPS:
+        if torch_own[op][2] is None:  # torch has no single-dim strategy
+            assert ours[op][0] is not torch_own[op][0], op
+            assert ours[op][0] is sharding_rules._index_put_strategy, op
+        else:
+            assert ours[op] == torch_own[op], op
 
     keras_torch_distribution.uninstall()
     assert _dtensor_tables() == torch_own
