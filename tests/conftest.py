@@ -25,10 +25,21 @@ from keras_torch_distribution.testing import ProcessGroupPool  # noqa: E402
 _pools = {}
 
 
+# KTD_TEST_DEVICE=cuda (tools/gpu-check's multiprocess section, on a machine
+# with a GPU per rank): the pools' ranks keep CUDA and each uses the GPU of
+# its LOCAL_RANK (NCCL); otherwise they are CPU processes (gloo).
+_TEST_DEVICE = os.environ.get("KTD_TEST_DEVICE", "cpu")
+if _TEST_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(
+        f"KTD_TEST_DEVICE={_TEST_DEVICE!r}: expected 'cpu' (the default: gloo "
+        "ranks) or 'cuda' (one GPU per rank); unset it or set one of those.")
+_POOL_ENV = {"KTD_DEVICE": None, "CUDA_VISIBLE_DEVICES": None} if _TEST_DEVICE == "cuda" else {}
+
+
 def _pool(world_size):
     pool = _pools.get(world_size)
     if pool is None or not pool.alive:
-        pool = ProcessGroupPool(world_size, timeout=180)
+        pool = ProcessGroupPool(world_size, timeout=180, env=_POOL_ENV)
         _pools[world_size] = pool
     return pool
 
