@@ -163,14 +163,16 @@ class FlatLayout:
 
 
 class FlatGather:
-    """One asynchronous flat all-gather of a group's shards over `group`;
-    `take()` waits for it and returns the whole tensors. Collective: start
-    it on every rank, in the same order."""
+    """One asynchronous flat all-gather of a group's shards over `group`,
+    in `dtype` (default: the shards'; the copy-in casts them); `take()`
+    waits for it and returns the whole tensors. Collective: start it on
+    every rank, in the same order."""
 
-    def __init__(self, layout, shards, group):
+    def __init__(self, layout, shards, group, dtype=None):
         self.layout = layout
         first = shards[0]
-        dtype, device = first.dtype, first.device
+        dtype, device = dtype or first.dtype, first.device
+        self.dtype = dtype
         self.stream = streams.for_device(device)
         with _on_stream(self.stream):
             make = torch.zeros if layout.any_padding else torch.empty

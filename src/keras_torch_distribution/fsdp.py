@@ -75,13 +75,25 @@ class GatherPlan:
         """The process group of the batch axis."""
         return self.mesh.get_group(self.axis)
 
-    def gather(self, value):
+    def gather(self, value, raw=None):
         """`value` (a DTensor of `stored`) whole along the batch axis, for
-        computing on this replica's rows. Collective: call on every rank."""
-        gathered = value.redistribute(self.mesh, self.gathered)
-        local = gathered.to_local(grad_placements=self.grad)
-        if torch.is_grad_enabled() and local.requires_grad:
-            local = _ReplicaWeight.apply(local, replicas.batch_scale() / self.replicas)
+        computing on this replica's rows. `raw`: the variable's stored
+        value when `value` is its autocast (mixed precision): then the
+        gather carries `value`'s dtype and the gradient is reduced in
+        `raw`'s (`_LowGatherFullReduce`). Collective: call on every rank."""
+        factor = replicas.batch_scale() / self.replicas
+        if (
+            raw is not None
+            and raw.dtype != value.dtype
+            and torch.is_grad_enabled()
+            and raw.requires_grad
+        ):
+            local = _LowGatherFullReduce.apply(raw, self, value.dtype, factor)
+        else:
+            gathered = value.redistribute(self.mesh, self.gathered)
+            local = gathered.to_local(grad_placements=self.grad)
+            if torch.is_grad_enabled() and local.requires_grad:
+                local = _ReplicaWeight.apply(local, factor)
         if self.plain:
             return local
         return self.as_model_dtensor(local)
@@ -171,6 +183,39 @@ class _ReplicaWeight(torch.autograd.Function):
         return tensors.full_value(grad) * ctx.factor, None
 
 
+class _LowGatherFullReduce(torch.autograd.Function):
+    """Mixed precision as FSDP2's MixedPrecisionPolicy(param_dtype=dtype,
+    reduce_dtype=the stored dtype), the policy of the grouped path too
+    (`fsdp_groups`): the stored shard (float32) is cast to `dtype` (Keras'
+    autocast: bfloat16) and all-gathered in it; the gradient (in `dtype`)
+    is cast back, scaled by this replica's weight and reduce-scattered in
+    the stored dtype. Keras' own autocast before a DTensor gather would
+    reduce the gradient in `dtype` (a bfloat16 sum over replicas)."""
+
+    @staticmethod
+    def forward(ctx, raw, plan, dtype, factor):
+        ctx.plan, ctx.factor, ctx.stored_dtype = plan, factor, raw.dtype
+        gathered = raw.to(dtype).redistribute(plan.mesh, plan.gathered)
+        return gathered.to_local()
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan = ctx.plan
+        # A plain gathered weight used with DTensors gets a DTensor gradient.
+        grad = tensors.full_value(grad).to(ctx.stored_dtype)
+        if ctx.factor != 1.0:
+            grad = grad * ctx.factor
+        partial = DTensor.from_local(
+            grad.contiguous(),
+            plan.mesh,
+            plan.grad,
+            run_check=False,
+            shape=torch.Size(plan.shape),
+            stride=layouts.contiguous_stride(plan.shape),
+        )
+        return partial.redistribute(plan.mesh, plan.stored), None, None, None
+
+
 class _Regatherer:
     """Saved-tensor hooks that keep no gathered weight between forward and
     backward: a saved view of a gathered weight becomes a token, gathered
@@ -258,11 +303,12 @@ class _Regatherer:
 
 class _VariableSource:
     """One variable's gathered value, gathered again on its own (a DTensor
-    redistribute): variables outside any group."""
+    redistribute of `stored` in `dtype`): variables outside any group."""
 
-    def __init__(self, stored, plan):
+    def __init__(self, stored, plan, dtype=None):
         self.stored = stored
         self.plan = plan
+        self.dtype = dtype
 
     def start_regather(self):
         pass
@@ -275,7 +321,8 @@ class _VariableSource:
 
     def regathered(self, key):
         with torch.no_grad():
-            whole = self.stored.redistribute(self.plan.mesh, self.plan.gathered)
+            stored = self.stored if self.dtype is None else self.stored.to(self.dtype)
+            whole = stored.redistribute(self.plan.mesh, self.plan.gathered)
             return whole.to_local().contiguous()
 
 
@@ -334,18 +381,24 @@ def regathering_in_backward():
         regatherer.gathered.clear()
 
 
-def gather_for_use(stored, plan, variable=None):
+def gather_for_use(stored, plan, variable=None, raw=None):
     """`stored` (a variable's value, after Keras' autocast) gathered along
     the batch axis: from the flat gather of a group in progress that holds
-    `variable` (see `fsdp_groups`), else on its own (see GatherPlan.gather),
-    noted for regathering in backward when a training forward is in
-    progress. Collective: call on every rank."""
+    `variable` (see `fsdp_groups`), else on its own (see GatherPlan.gather;
+    `raw`: the variable's stored value before autocast, for mixed
+    precision's full-precision gradient reduction), noted for regathering
+    in backward when a training forward is in progress. Collective: call on
+    every rank."""
     for call in reversed(state.groups):
         gathered = call.value_for(variable, stored.dtype)
         if gathered is not None:
             return gathered
-    view = plan.gather(stored)
+    view = plan.gather(stored, raw)
     regatherer = state.regatherer
     if regatherer is not None and view.requires_grad:
-        regatherer.register(view, _VariableSource(stored, plan))
+        if raw is not None and raw.dtype != stored.dtype:
+            source = _VariableSource(raw.detach(), plan, stored.dtype)
+        else:
+            source = _VariableSource(stored, plan)
+        regatherer.register(view, source)
     return view

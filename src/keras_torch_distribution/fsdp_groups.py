@@ -37,6 +37,14 @@ last block's weights are not held through the output projection).
 A group of one 2-D weight sharded on its dim 1 (keras_hub's token
 embeddings) makes the gradient of an embedding lookup of it in the
 reduce-scatter's rank-major order itself (`lookup_gradients`).
+Mixed precision, as FSDP2's MixedPrecisionPolicy(param_dtype=compute,
+reduce_dtype=float32): a bucket is gathered in the dtype its variables
+were read in (Keras' autocast: bfloat16 under mixed_bfloat16), learned
+from the call before (the first call gathers the stored dtype; the values,
+pure copies, are the same), and its gradients are reduce-scattered in the
+stored dtype (float32). A read in a wider dtype than the bucket was
+gathered in takes the per-variable gather (exact) and the bucket goes back
+to the stored dtype.
 Variables that cannot travel flat (a dim sharded on the batch axis and on
 another axis) and variables read outside a group keep the per-variable
 DTensor gather of `fsdp`. Under torch.compile no group is formed: the
@@ -108,17 +116,38 @@ class _Bucket:
         self.lookup_eligible = first.plain and lookup_gradients.eligible(
             self.layout, [p.shape for p in self.plans]
         )
+        # member -> the dtype it was read in (_MIXED: several), for the
+        # dtype of the next gathers (see the module docstring).
+        self.reads = {}
 
     def stored(self):
         return [_keras.raw_value(v) for v in self.variables]
 
-    def start_gather(self, stored=None):
+    def note_read(self, member, dtype):
+        seen = self.reads.get(member, dtype)
+        self.reads[member] = dtype if seen == dtype else _MIXED
+
+    def gather_dtype(self):
+        """The dtype every member read was in, else the stored dtype."""
+        dtypes = set(self.reads.values())
+        if len(dtypes) == 1:
+            (dtype,) = dtypes
+            if dtype is not _MIXED and dtype.is_floating_point:
+                return dtype
+        return self.dtype
+
+    def start_gather(self, stored=None, dtype=None):
         """Start the flat all-gather of `stored` (default: the variables'
-        values now). Collective: call on every rank."""
+        values now) in `dtype` (default: `gather_dtype()`). Collective:
+        call on every rank."""
         stored = self.stored() if stored is None else stored
         return flat_shards.FlatGather(
-            self.layout, [s._local_tensor.detach() for s in stored], self.group
+            self.layout, [s._local_tensor.detach() for s in stored], self.group,
+            dtype or self.gather_dtype(),
         )
+
+
+_MIXED = "mixed"  # a member read in several dtypes
 
 
 class _GroupSpec:
@@ -191,9 +220,9 @@ class _GroupGather(torch.autograd.Function):
         source = ctx.source
         source.release()
         bucket = source.bucket
-        whole = [
-            None if g is None else tensors.full_value(g).to(bucket.dtype) for g in grads
-        ]
+        # Reduced in the stored dtype (the flat input's copy-in casts a
+        # gradient of a lower-precision gather).
+        whole = [None if g is None else tensors.full_value(g) for g in grads]
         shard_grads = flat_shards.reduce_scatter(
             bucket.layout,
             whole,
@@ -213,9 +242,10 @@ class _BucketSource:
     """One call's bucket as the regatherer sees it: gathered again (once)
     for backward, let go when its gradients are reduce-scattered."""
 
-    def __init__(self, bucket, stored):
+    def __init__(self, bucket, stored, dtype):
         self.bucket = bucket
         self.stored = stored
+        self.dtype = dtype  # the forward's gather dtype, regathered alike
         self.flat = None  # the regather in flight
         self.tensors = None  # the regathered whole local tensors
         self.casts = {}  # (member, dtype) -> a regathered tensor cast
@@ -230,7 +260,7 @@ class _BucketSource:
     def start_regather(self):
         """Collective: call on every rank."""
         if not self.in_flight():
-            self.flat = self.bucket.start_gather(self.stored)
+            self.flat = self.bucket.start_gather(self.stored, self.dtype)
 
     def regathered(self, key):
         member, dtype = key
@@ -283,9 +313,16 @@ class _GroupCall:
                 self._take(where[0], bucket, bucket.start_gather(), fsdp.state.regatherer)
         elif not self.values:  # a group not split gathers every bucket at once
             self._gather()
+        bucket = self.spec.buckets[where[0]]
+        bucket.note_read(where[1], dtype)
         value = self.values[where]
         if value.dtype == dtype:
             return value
+        if value.dtype != bucket.dtype:
+            # Gathered in a lower precision than this read asks: the exact
+            # value comes from the per-variable gather (and the bucket is
+            # gathered in the stored dtype from the next call on).
+            return None
         cast = self.casts.get((where, dtype))
         if cast is None:
             cast = self.casts[(where, dtype)] = value.to(dtype)
@@ -316,7 +353,7 @@ class _GroupCall:
         differentiable (its gradients reduce-scattered in one flat buffer),
         registered with `regatherer` (None: kept for backward)."""
         stored = bucket.stored()
-        source = _BucketSource(bucket, stored)
+        source = _BucketSource(bucket, stored, flat.dtype)
         self.sources[b] = source
         shards = [s.to_local() for s in stored]
         if torch.is_grad_enabled() and any(s.requires_grad for s in shards):

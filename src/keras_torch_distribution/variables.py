@@ -116,8 +116,10 @@ def value_for_use(original, variable, value):
     value goes through: inside a layer call, a variable sharded on the batch
     axis is gathered along it for use (see `fsdp`), after Keras' autocast
     (so mixed precision gathers in the compute dtype). Outside layer calls,
-    and while Keras traces shapes on the meta device, the stored value."""
-    value = original(variable, value)
+    and while Keras traces shapes on the meta device, the stored value.
+    Under mixed precision the gather carries the compute dtype and the
+    gradient is reduced in the stored one (see `fsdp`)."""
+    raw, value = value, original(variable, value)
     plan = variable.__dict__.get("_ktd_gather")
     if (
         plan is None
@@ -127,7 +129,7 @@ def value_for_use(original, variable, value):
         or str(_keras.torch_device()) == "meta"
     ):
         return value
-    return fsdp.gather_for_use(value, plan, variable)
+    return fsdp.gather_for_use(value, plan, variable, raw)
 
 
 def warn_if_created_outside(variables, distribution):
