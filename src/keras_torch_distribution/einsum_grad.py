@@ -18,12 +18,159 @@ regathering replaces by a token), and a backward of two einsums,
 `grad_a = einsum("out,b->a", grad, b)` and `grad_b = einsum("out,a->b",
 grad, a)`. Other calls (one or three operands, ellipses, repeated or
 operand-only indices, compiling) go to Keras' own einsum.
+
+Where torch's DTensor cannot flatten dims of which a later one is sharded
+(torch<2.13 refuses: "Attempted to flatten multiple dimensions, with
+dimension 1 being sharded"; 2.13 gives a `_StridedShard`), the equation's
+labels are renamed first so that the labels of sharded dims come first in
+`torch.einsum`'s label order (`sharded_labels_first`). `torch.einsum`
+orders the dims it contracts by label and flattens them into one; a
+sharded dim first among them flattens into a sharded dim. The rename
+changes no number: keras_hub's attention output "bquh,uhm->bqm", heads
+("u") sharded, runs as "BEAC,ACD->BED".
 """
+
+import string
 
 import keras
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import fsdp
+
+# torch.einsum's label order: upper case first.
+_LABELS = string.ascii_uppercase + string.ascii_lowercase
+
+
+def _views_refuse_later_sharded_dims():
+    """Whether torch's DTensor view rule refuses to flatten dims of which a
+    later one is sharded (torch<2.13), by asking it (no process group)."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    propagate = getattr(_view_ops, "propagate_shape_and_sharding", None)
+    groups = getattr(_view_ops, "view_groups", None)
+    if propagate is None or groups is None:
+        # A torch without them propagates views its own newer way.
+        return False
+    try:
+        propagate([Shard(1)], (2, 2), groups([2, 2], [4]), (2,), strict_view=True)
+    except RuntimeError:
+        return True
+    return False
+
+
+_REORDER_SHARDED_DIMS = _views_refuse_later_sharded_dims()
+
+
+def _dim_labels(part, ndim):
+    """The label of each dim of an operand with subscripts `part` (None for
+    dims under an ellipsis), or None when `part` does not fit `ndim`."""
+    if "..." in part:
+        before, after = part.split("...", 1)
+        if "." in after or len(before) + len(after) > ndim:
+            return None
+        return list(before) + [None] * (ndim - len(before) - len(after)) + list(after)
+    return list(part) if len(part) == ndim else None
+
+
+def sharded_dims_first(subscripts, ndims, sharded_dims):
+    """How to run `subscripts` on operands of `ndims` dims sharded on
+    `sharded_dims` (a set of dims for each) so that torch<2.13's DTensor
+    can flatten the dims `torch.einsum` flattens together: (an equation
+    computing the same, the permutation that puts its result's dims back in
+    `subscripts`' order or None, the dims of each operand to replicate
+    first). `(subscripts, None, no dims)` where nothing is sharded, or for
+    an equation this does not understand (torch.einsum judges it).
+
+    `torch.einsum` lays out each operand's dims in the order of the output
+    (the dims it keeps), then of their labels (the dims it contracts), and
+    for two operands flattens each kind of dim into one for `bmm`: the
+    batch dims (in both operands and the output), the dims of one operand
+    kept, and the dims contracted. A sharded dim flattens into a sharded
+    dim when it comes first among its kind. So the output lists the
+    sharded labels first, and the labels are renamed so that the sharded
+    ones come first in torch's label order (upper case first). Where two
+    labels of one kind are sharded, the first keeps its sharding and the
+    other is replicated first (torch 2.13 gathers too).
+    """
+    unchanged = (subscripts, None, [set() for _ in ndims])
+    equation = subscripts.replace(" ", "")
+    inputs, arrow, output = equation.partition("->")
+    parts = inputs.split(",")
+    labels = {c for c in inputs if c.isalpha()}
+    if len(parts) != len(ndims) or not labels <= set(_LABELS):
+        return unchanged
+    dim_labels = [_dim_labels(part, ndim) for part, ndim in zip(parts, ndims)]
+    if None in dim_labels:
+        return unchanged
+    ellipsis_ndim = max(d.count(None) for d in dim_labels)
+    # The sharded labels of each operand, and the dims they label.
+    sharded = [
+        {d: labels_[d] for d in dims if labels_[d] is not None}
+        for labels_, dims in zip(dim_labels, sharded_dims)
+    ]
+    if not any(sharded):
+        return unchanged
+    if not arrow:
+        # The implicit output: the labels used once, in label order, after
+        # the ellipsis' dims; made explicit before the order changes.
+        once = sorted((c for c in labels if inputs.count(c) == 1), key=_LABELS.index)
+        output = ("..." if "..." in inputs else "") + "".join(once)
+    before, ellipsis, after = output.partition("...")
+    if not set(before + after) <= labels or "." in after:
+        return unchanged
+    replicate = [set() for _ in ndims]
+    if len(parts) == 2:
+        a, b = (set(p) - {"."} for p in parts)
+        out = set(output) - {"."}
+        kinds = [  # each in the order torch lays them out
+            [c for c in output if c in a & b],
+            [c for c in output if c in a - b],
+            [c for c in output if c in b - a],
+            sorted((a & b) - out, key=_LABELS.index),
+        ]
+        for kind in kinds:
+            labelled = [c for c in kind if any(c in s.values() for s in sharded)]
+            for operand, dims in enumerate(sharded):
+                for d, c in list(dims.items()):
+                    if c in labelled[1:]:
+                        replicate[operand].add(d)
+                        del dims[d]
+    first = set().union(*(s.values() for s in sharded))
+    if not first:
+        return subscripts, None, replicate
+    # Output dims as tokens (an ellipsis is its dims), sharded ones first.
+    tokens = list(before) + [("...", i) for i in range(ellipsis_ndim if ellipsis else 0)] + list(after)
+    reordered = [t for t in tokens if t in first] + [t for t in tokens if t not in first]
+    new_output = "".join(t for t in reordered if isinstance(t, str) and t in first)
+    new_output += before.translate({ord(c): None for c in first}) + ellipsis
+    new_output += after.translate({ord(c): None for c in first})
+    order = sorted(labels, key=lambda c: (c not in first, _LABELS.index(c)))
+    rename = str.maketrans(dict(zip(order, _LABELS)))
+    permutation = [reordered.index(t) for t in tokens]
+    if permutation == list(range(len(tokens))):
+        permutation = None
+    return f"{inputs.translate(rename)}->{new_output.translate(rename)}", permutation, replicate
+
+
+def _sharded_dims(operand):
+    if not isinstance(operand, DTensor):
+        return set()
+    return {p.dim for p in operand.placements if isinstance(p, Shard)}
+
+
+def _replicated_on(operand, dims):
+    """`operand` (a DTensor) replicated where it is sharded on `dims`.
+    Collective: call on every rank."""
+    if not dims:
+        return operand
+    placements = [
+        Replicate() if isinstance(p, Shard) and p.dim in dims else p
+        for p in operand.placements
+    ]
+    return operand.redistribute(operand.device_mesh, placements)
 
 
 def _subscripts(equation):
@@ -70,6 +217,21 @@ class _Einsum(torch.autograd.Function):
 
 def einsum(original, subscripts, *operands, **kwargs):
     """Keras' torch `einsum`; see the module docstring."""
+    if not _REORDER_SHARDED_DIMS or not isinstance(subscripts, str):
+        return _einsum(original, subscripts, *operands, **kwargs)
+    # As Keras' einsum does first: a variable becomes its value.
+    operands = tuple(keras.ops.convert_to_tensor(x) for x in operands)
+    subscripts, permutation, replicate = sharded_dims_first(
+        subscripts,
+        [getattr(x, "ndim", 0) for x in operands],
+        [_sharded_dims(x) for x in operands],
+    )
+    operands = tuple(_replicated_on(x, dims) for x, dims in zip(operands, replicate))
+    result = _einsum(original, subscripts, *operands, **kwargs)
+    return result if permutation is None else result.permute(permutation)
+
+
+def _einsum(original, subscripts, *operands, **kwargs):
     if (
         not fsdp.plans_exist()
         or len(operands) != 2

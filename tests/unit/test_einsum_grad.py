@@ -2,6 +2,8 @@
 and gives torch.einsum's gradients (issue 18: the attention kernels of
 keras_hub's Llama were kept whole from forward to backward)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -106,3 +108,71 @@ def test_keras_einsum_dense_kernel_is_saved_itself(fsdp_on):
     assert "_Einsum" in type(node).__name__, node
     saved_x, saved_kernel = node.saved_tensors
     assert saved_kernel.untyped_storage().data_ptr() == kernel.untyped_storage().data_ptr()
+
+
+# Equations keras_hub and Keras layers use, with operand shapes.
+REORDERED = {
+    "bquh,uhm->bqm": ((2, 5, 4, 3), (4, 3, 6)),  # Llama's attention output
+    "btkgh,bskh->bkgts": ((2, 5, 1, 4, 3), (2, 6, 1, 3)),  # Gemma's logits
+    "bkgts,bskh->btkgh": ((2, 1, 4, 5, 6), (2, 6, 1, 3)),  # Gemma's values
+    "bqm,muh->bquh": ((2, 5, 6), (6, 4, 3)),
+    "ab,bc": ((3, 4), (4, 5)),  # implicit output
+    "...uh,uhm": ((2, 5, 4, 3), (4, 3, 6)),
+    "b...h,bh->...b": ((2, 3, 4, 5), (2, 5)),
+    "ebc,ecd->ebd": ((3, 2, 4), (3, 4, 5)),  # MoE experts
+}
+
+
+@pytest.mark.parametrize("equation", sorted(REORDERED))
+def test_sharded_dims_first_is_the_same_equation(equation):
+    """Every choice of one sharded dim per operand gives an equation with
+    the same numbers (after its permutation) and its sharded labels first
+    in torch's label order and in the output; of two sharded labels of one
+    kind (both operands', kept or contracted), one is replicated first."""
+    shapes = REORDERED[equation]
+    generator = torch.Generator().manual_seed(0)
+    operands = [torch.randn(s, generator=generator) for s in shapes]
+    want = torch.einsum(equation, *operands)
+    choices = [[set()] + [{d} for d in range(len(s))] for s in shapes]
+    changed = replicated = 0
+    for sharded in itertools.product(*choices):
+        got, permutation, replicate = einsum_grad.sharded_dims_first(
+            equation, [len(s) for s in shapes], list(sharded)
+        )
+        changed += got != equation
+        replicated += any(replicate)
+        assert all(r <= s for r, s in zip(replicate, sharded)), (sharded, replicate)
+        result = torch.einsum(got, *operands)
+        if permutation is not None:
+            result = result.permute(permutation)
+        # The same sums, maybe in another order.
+        torch.testing.assert_close(result, want, rtol=1e-5, atol=1e-5, msg=str((equation, sharded, got)))
+        inputs, _, output = got.partition("->")
+        kept = [s - r for s, r in zip(sharded, replicate)]
+        sharded_labels = [
+            {einsum_grad._dim_labels(part, len(shape))[d] for d in dims} - {None}
+            for part, shape, dims in zip(inputs.split(","), shapes, kept)
+        ]
+        every = set().union(*sharded_labels)
+        if not every:  # nothing, or only dims under an ellipsis
+            assert (got, permutation) == (equation, None)
+            continue
+        labels = set(inputs) - {",", "."}
+        # The sharded labels are the first in torch's order (upper case
+        # first), and come first in the output.
+        assert every == set(sorted(labels)[: len(every)]), got
+        assert output.startswith("".join(c for c in output if c in every)), got
+        if len(shapes) == 2 and "." not in got:
+            a, b = (set(p) for p in inputs.split(","))
+            out = set(output)
+            for kind in (a & b & out, (a & out) - b, (b & out) - a, (a & b) - out):
+                assert len(kind & every) <= 1, (got, kind, every)
+    assert changed, equation
+    if equation in ("bquh,uhm->bqm", "btkgh,bskh->bkgts"):
+        assert replicated, equation  # e.g. one operand's "u", the other's "h"
+
+
+def test_sharded_dims_first_leaves_what_it_does_not_understand():
+    for equation, ndims in [("ab,bc->ac", [2, 3]), ("ab,bc,cd->ad", [2, 2]), ("aé,éb->ab", [2, 2])]:
+        got = einsum_grad.sharded_dims_first(equation, ndims, [{0}, {1}])
+        assert got == (equation, None, [set(), set()]), got

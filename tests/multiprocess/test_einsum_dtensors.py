@@ -1,0 +1,68 @@
+"""Keras' einsum on DTensors sharded on any one dim (keras_hub's attention
+and MoE equations), forward and gradients, against plain tensors.
+
+torch<2.13 cannot flatten dims of which a later one is sharded; the
+package's einsum puts sharded dims first (`einsum_grad.sharded_dims_first`).
+"""
+
+import itertools
+
+import numpy as np
+
+# equation: operand shapes (each sharded dim of size 4 or 2, even on 2 ranks)
+EQUATIONS = {
+    "bquh,uhm->bqm": ((2, 3, 4, 2), (4, 2, 6)),  # attention output
+    "bqm,muh->bquh": ((2, 3, 6), (6, 4, 2)),  # query projection
+    "btkgh,bskh->bkgts": ((2, 3, 2, 4, 2), (2, 5, 2, 2)),  # Gemma's logits
+    "bkgts,bskh->btkgh": ((2, 2, 4, 3, 5), (2, 5, 2, 2)),  # Gemma's values
+    "ebc,ecd->ebd": ((4, 3, 2), (4, 2, 6)),  # MoE experts
+}
+
+
+def einsums(equation):
+    """(sharded dims, forward error, gradient error) for one sharded dim
+    (of even size) per operand, or none, against plain tensors."""
+    import keras
+    import torch
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = keras.distribution.DeviceMesh(
+        (2,), ["model"], keras.distribution.list_devices()
+    ).backend_mesh
+    shapes = EQUATIONS[equation]
+    generator = torch.Generator().manual_seed(0)
+    plain = [torch.randn(s, generator=generator).requires_grad_() for s in shapes]
+    want = keras.ops.einsum(equation, *plain)
+    grad = torch.randn(want.shape, generator=generator)
+    want_grads = torch.autograd.grad(want, plain, grad)
+    choices = [[None] + [d for d in range(len(s)) if s[d] % 2 == 0] for s in shapes]
+    results = []
+    for dims in itertools.product(*choices):
+        sharded = [
+            distribute_tensor(
+                p.detach(), mesh, [Replicate() if d is None else Shard(d)]
+            ).requires_grad_()
+            for p, d in zip(plain, dims)
+        ]
+        got = keras.ops.einsum(equation, *sharded)
+        full = got.full_tensor() if hasattr(got, "full_tensor") else got
+        grads = torch.autograd.grad(got, sharded, distribute_tensor(grad, mesh, [Replicate()])
+                                    if hasattr(got, "full_tensor") else grad)
+        results.append((
+            dims,
+            float((full - want).abs().max()),
+            max(float((g.full_tensor() - w).abs().max()) for g, w in zip(grads, want_grads)),
+        ))
+    return results
+
+
+def test_einsum_of_sharded_operands_matches_plain(pool2):
+    for equation, shapes in EQUATIONS.items():
+        for results in pool2.run(einsums, equation):
+            assert len(results) == np.prod(
+                [1 + sum(n % 2 == 0 for n in s) for s in shapes]
+            ), equation
+            for dims, forward, backward in results:
+                assert forward < 1e-5 and backward < 1e-5, (equation, dims, forward, backward)
