@@ -67,7 +67,7 @@ def report(model, print_fn=None):
     tables = [rows]
     if runtime.is_multi_process():
         tables = [None] * runtime.num_processes()
-        dist.all_gather_object(tables, rows)
+        dist.all_gather_object(tables, rows, group=runtime.cpu_group())
     if runtime.process_id() == 0:
         (print_fn or logger.warning)(format_report(tables))
     return tables

@@ -140,7 +140,7 @@ def _start(job_addresses=None, num_processes=None, process_id=None, first_use=No
     else:
         _init_process_group(init_method=launch.init_method, world_size=launch.world,
                             rank=launch.rank, timeout=timeout, local_rank=launch.local_rank)
-    seeds.initialize_rng()
+    seeds.initialize_rng(cpu_group() if is_multi_process() else None)
     logger.info(
         "initialized rank %d of %d (%s; %s)",
         dist.get_rank(),

@@ -8,8 +8,9 @@ import torch.distributed as dist
 from keras_torch_distribution import _keras
 
 
-def initialize_rng():
-    """Make every process use one global seed.
+def initialize_rng(group=None):
+    """Make every process use one global seed (agreed over `group`, the
+    world's group for CPU tensors; default: the world group).
 
     When `keras.utils.set_random_seed` was not called, rank 0 draws a seed and
     broadcasts it, so unseeded initializers (whose default seeds come from
@@ -20,7 +21,7 @@ def initialize_rng():
     if dist.is_initialized() and dist.get_world_size() > 1:
         proposal = seed if seed is not None else random.randint(1, 2**31 - 1)
         box = [proposal]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         if seed is not None and box[0] != seed:
             raise ValueError(
                 f"keras.utils.set_random_seed({seed}) on rank "

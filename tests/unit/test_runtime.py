@@ -109,7 +109,7 @@ def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
         mock.call.init_process_group(backend="cpu:gloo,cuda:nccl", store=store,
                                      world_size=4, rank=3, timeout=_SEVEN_SECONDS,
                                      device_id=runtime.torch.device("cuda", 1)),
-        mock.call.initialize_rng(),
+        mock.call.initialize_rng(None),
     ]
 
 
@@ -171,7 +171,7 @@ def test_a_cpu_start_touches_no_gpu(torch_start, monkeypatch):
         mock.call.rendezvous("tcp://10.0.0.1:1234", 1, 2, timeout=_SEVEN_SECONDS),
         mock.call.init_process_group(backend="gloo", store=store, world_size=2, rank=1,
                                      timeout=_SEVEN_SECONDS),
-        mock.call.initialize_rng(),
+        mock.call.initialize_rng(None),
     ]
     store.add.assert_not_called()
 
