@@ -21,6 +21,13 @@ has them; this module changes only what is missing or wrong:
   blocks: wrong rows, or an index out of bounds), and the in-place ops
   have none. `_index_put_strategy` keeps the sharding of dims that are
   not indexed, and replicates the rest, as 2.13's does.
+- Stack: torch<2.13's `stack` strategy normalises a negative dim against
+  the inputs' rank instead of the result's (one more), and so labels a
+  result sharded on the wrong dim: `torch.stack` of 4-D tensors sharded on
+  dim 2 at dim=-2 (keras_hub's rotary embedding of heads-sharded queries)
+  came out labelled Shard(3), silently wrong. torch's own strategy is
+  given the dim made non-negative (`_stack_dim_made_non_negative`; what
+  torch>=2.13 does itself).
 - Attention: `aten._scaled_dot_product_flash_attention_for_cpu` (CPU) and,
   where torch has no single-dim strategy for them (2.13), the CUDA
   `_scaled_dot_product_{flash,efficient,cudnn}_attention`, with their
@@ -409,6 +416,25 @@ def _index_put_strategy(op_schema):
     return strategy
 
 
+def _stack_dim_made_non_negative(strategy):
+    """torch's `stack` strategy, given a negative dim made non-negative
+    against the result's rank (see the module docstring)."""
+
+    def stack_strategy(op_schema):
+        tensors, *rest = op_schema.args_schema
+        dim = rest[0] if rest else op_schema.kwargs_schema.get("dim", 0)
+        if isinstance(dim, int) and dim < 0:
+            dim += tensors.children[0].ndim + 1
+            if rest:
+                args, kwargs = (tensors, dim, *rest[1:]), op_schema.kwargs_schema
+            else:
+                args, kwargs = (tensors,), {**op_schema.kwargs_schema, "dim": dim}
+            op_schema = dataclasses.replace(op_schema, args_schema=args, kwargs_schema=kwargs)
+        return strategy(op_schema)
+
+    return stack_strategy
+
+
 _INDEX_PUT_OPS = (
     aten.index_put.default,
     aten.index_put_.default,
@@ -479,6 +505,11 @@ def register():
         single_dim[backward] = dataclasses.replace(
             torch_own, func=_masked_gradients_left_out(torch_own.func)
         )
+    stack = aten.stack.default
+    if stack not in single_dim and stack in propagator.op_strategy_funcs:
+        torch_own = propagator.op_strategy_funcs[stack]
+        registration.strategies[stack] = torch_own
+        propagator.op_strategy_funcs[stack] = _stack_dim_made_non_negative(torch_own)
     for op in _INDEX_PUT_OPS:
         if op not in single_dim:
             _register_strategy(

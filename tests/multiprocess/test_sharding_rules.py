@@ -302,3 +302,34 @@ def test_index_writes_into_dtensors_match_plain(pool2):
             assert error < 1e-6, (where, got, error)
             if self_placement.startswith("Shard") and not on_indexed:  # kept
                 assert got == f"({self_placement},)", (where, got)
+
+
+def stacks():
+    """torch.stack of DTensors sharded on each dim, at each dim (negative
+    ones included): (dims, placements, error against plain tensors)."""
+    mesh = _mesh_1d()
+    generator = torch.Generator().manual_seed(0)
+    plain = [torch.randn(4, 2, 6, generator=generator) for _ in range(2)]
+    results = []
+    for shard_dim in range(3):
+        sharded = [distribute_tensor(p, mesh, [Shard(shard_dim)]) for p in plain]
+        for dim in range(-4, 4):
+            got = torch.stack(sharded, dim=dim)
+            want = torch.stack(plain, dim=dim)
+            full = got.full_tensor()
+            error = float((full - want).abs().max()) if full.shape == want.shape else float("inf")
+            results.append(((shard_dim, dim), repr(tuple(got.placements)), error))
+    return results
+
+
+def test_stack_of_sharded_tensors_matches_plain(pool2):
+    """torch<2.13 normalised stack's negative dim against the inputs' rank:
+    stacking at dim=-2 tensors sharded on dim 2 (keras_hub's rotary
+    embedding of heads-sharded queries) came out labelled Shard(3)."""
+    for results in pool2.run(stacks):
+        assert len(results) == 24
+        for (shard_dim, dim), placements, error in results:
+            inserted = dim % 4
+            want = shard_dim + 1 if shard_dim >= inserted else shard_dim
+            assert placements == repr((Shard(want),)), (shard_dim, dim, placements)
+            assert error == 0.0, (shard_dim, dim, error)
