@@ -27,7 +27,11 @@ labels are renamed first so that the labels of sharded dims come first in
 orders the dims it contracts by label and flattens them into one; a
 sharded dim first among them flattens into a sharded dim. The rename
 changes no number: keras_hub's attention output "bquh,uhm->bqm", heads
-("u") sharded, runs as "BEAC,ACD->BED".
+("u") sharded, runs as "BEAC,ACD->BED". Gradients can arrive sharded where
+the forward's output was not (Qwen's attention runs replicated, its output
+kernel is sharded on the heads): where torch refuses, every einsum of the
+kind `_Einsum` handles runs as `_Einsum` when it meets a DTensor (not
+only under FSDP), and its backward einsums are put in order the same way.
 """
 
 import string
@@ -39,29 +43,12 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import fsdp
+from keras_torch_distribution import sharding_rules
 
 # torch.einsum's label order: upper case first.
 _LABELS = string.ascii_uppercase + string.ascii_lowercase
-
-
-def _views_refuse_later_sharded_dims():
-    """Whether torch's DTensor view rule refuses to flatten dims of which a
-    later one is sharded (torch<2.13), by asking it (no process group)."""
-    from torch.distributed.tensor._ops import _view_ops
-
-    propagate = getattr(_view_ops, "propagate_shape_and_sharding", None)
-    groups = getattr(_view_ops, "view_groups", None)
-    if propagate is None or groups is None:
-        # A torch without them propagates views its own newer way.
-        return False
-    try:
-        propagate([Shard(1)], (2, 2), groups([2, 2], [4]), (2,), strict_view=True)
-    except RuntimeError:
-        return True
-    return False
-
-
-_REORDER_SHARDED_DIMS = _views_refuse_later_sharded_dims()
+# Whether sharded dims are put first (torch<2.13; see the module docstring).
+_REORDER_SHARDED_DIMS = sharding_rules.VIEWS_REFUSE_LATER_SHARDED_DIMS
 
 
 def _dim_labels(part, ndim):
@@ -209,10 +196,24 @@ class _Einsum(torch.autograd.Function):
         sa, sb, out = ctx.subscripts
         grad_a = grad_b = None
         if ctx.needs_input_grad[1]:
-            grad_a = torch.einsum(f"{out},{sb}->{sa}", grad, b)
+            grad_a = _contract(f"{out},{sb}->{sa}", grad, b)
         if ctx.needs_input_grad[2]:
-            grad_b = torch.einsum(f"{out},{sa}->{sb}", grad, a)
+            grad_b = _contract(f"{out},{sa}->{sb}", grad, a)
         return None, grad_a, grad_b
+
+
+def _contract(equation, x, y):
+    """torch.einsum of two tensors, with their sharded dims put first where
+    torch's DTensor needs it (`sharded_dims_first`): a gradient can arrive
+    sharded where the forward's output was not."""
+    if not _REORDER_SHARDED_DIMS:
+        return torch.einsum(equation, x, y)
+    equation, permutation, replicate = sharded_dims_first(
+        equation, [x.ndim, y.ndim], [_sharded_dims(x), _sharded_dims(y)]
+    )
+    x, y = (_replicated_on(t, dims) for t, dims in zip((x, y), replicate))
+    result = torch.einsum(equation, x, y)
+    return result if permutation is None else result.permute(permutation)
 
 
 def einsum(original, subscripts, *operands, **kwargs):
@@ -232,8 +233,9 @@ def einsum(original, subscripts, *operands, **kwargs):
 
 
 def _einsum(original, subscripts, *operands, **kwargs):
+    dtensors = _REORDER_SHARDED_DIMS and any(isinstance(x, DTensor) for x in operands)
     if (
-        not fsdp.plans_exist()
+        not (fsdp.plans_exist() or dtensors)
         or len(operands) != 2
         or kwargs
         or not isinstance(subscripts, str)

@@ -450,6 +450,29 @@ def _register_strategy(propagator, op, strategy, schema_info):
     propagator.register_op_strategy(op, strategy, schema_info)
 
 
+def _views_refuse_later_sharded_dims():
+    """Whether torch's DTensor view rule refuses to flatten dims of which a
+    later one is sharded ("Attempted to flatten multiple dimensions, with
+    dimension 1 being sharded": torch<2.13; 2.13 gives a `_StridedShard`),
+    by asking it (no process group)."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    propagate = getattr(_view_ops, "propagate_shape_and_sharding", None)
+    groups = getattr(_view_ops, "view_groups", None)
+    if propagate is None or groups is None:
+        # A torch without them propagates views its own, newer way.
+        return False
+    try:
+        propagate([Shard(1)], (2, 2), groups([2, 2], [4]), (2,), strict_view=True)
+    except RuntimeError:
+        return True
+    return False
+
+
+# Read by `einsum_grad` and `tensors`, which work around it.
+VIEWS_REFUSE_LATER_SHARDED_DIMS = _views_refuse_later_sharded_dims()
+
+
 class Registration:
     """What `register` replaced in DTensor's dispatcher, to put it back."""
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard
 from keras_torch_distribution import _keras
 from keras_torch_distribution import layouts
 from keras_torch_distribution import runtime
+from keras_torch_distribution import sharding_rules
 
 
 def as_torch(value, dtype=None, device=None):
@@ -262,12 +263,32 @@ def slice_update(original, inputs, start_indices, updates):
     """Keras' torch `slice_update`, also for plain `inputs` and DTensor
     `updates` or start indices (an index computed from a DTensor, as
     keras_hub's samplers compute the cache position, is used as its full
-    value)."""
+    value).
+
+    Unless the start indices are Python ints, Keras writes `updates.flatten()`
+    at every index of every dim (`index_put_`), which a replicated result
+    takes replicated; torch<2.13 cannot flatten a DTensor sharded on a dim
+    after its first (keras_hub's cached attention writes heads-sharded keys
+    at a tensor position), so there `updates` is replicated first, as
+    torch 2.13 does it for the write. Collective then: call on every rank.
+    """
     if isinstance(start_indices, (list, tuple)):
         start_indices = type(start_indices)(full_value(i) for i in start_indices)
+        by_ints = all(isinstance(i, int) for i in start_indices)  # Keras' fast path
     else:
         start_indices = full_value(start_indices)
-    return original(_writable_by(inputs, updates), start_indices, updates)
+        by_ints = False
+    inputs = _writable_by(inputs, updates)
+    if (
+        not by_ints
+        and sharding_rules.VIEWS_REFUSE_LATER_SHARDED_DIMS
+        and isinstance(updates, DTensor)
+        and not all(isinstance(p, Replicate) for p in updates.placements)
+    ):
+        updates = updates.redistribute(
+            updates.device_mesh, [Replicate()] * updates.device_mesh.ndim
+        )
+    return original(inputs, start_indices, updates)
 
 
 def scatter_update(original, inputs, indices, updates, reduction=None):

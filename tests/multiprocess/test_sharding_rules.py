@@ -199,9 +199,16 @@ def updates_into_plain():
     at_index = keras.ops.slice_update(cache, [0, index, 0], update)
     rows = distribute_tensor(torch.ones(2, 4), mesh.backend_mesh, [Shard(0)])
     scattered = keras.ops.scatter_update(torch.zeros(5, 4), [[1], [3]], rows)
+    # keras_hub's cached attention: heads-sharded keys written at a tensor
+    # position (Keras flattens them for index_put_).
+    keys = torch.arange(2 * 2 * 4, dtype=torch.float32).reshape(2, 1, 2, 4)
+    sharded_keys = distribute_tensor(keys, mesh.backend_mesh, [Shard(2)])
+    at_position = keras.ops.slice_update(
+        torch.zeros(2, 6, 2, 4), [0, index, 0, 0], sharded_keys
+    )
     return [
         (type(t).__name__, np.asarray(keras.ops.convert_to_numpy(t)))
-        for t in (sliced, at_index, scattered)
+        for t in (sliced, at_index, scattered, at_position)
     ]
 
 
@@ -214,11 +221,15 @@ def test_slice_and_scatter_updates_write_dtensors_into_plain_tensors(pool2):
     want_index[:, 3:5] = update
     want_scattered = np.zeros((5, 4), "float32")
     want_scattered[[1, 3]] = 1.0
-    for sliced, at_index, scattered in pool2.run(updates_into_plain):
+    want_position = np.zeros((2, 6, 2, 4), "float32")
+    want_position[:, 3:4] = np.arange(16, dtype="float32").reshape(2, 1, 2, 4)
+    for sliced, at_index, scattered, at_position in pool2.run(updates_into_plain):
         assert sliced[0] == "DTensor" and scattered[0] == "DTensor"
         np.testing.assert_array_equal(sliced[1], want_sliced)
         np.testing.assert_array_equal(at_index[1], want_index)
         np.testing.assert_array_equal(scattered[1], want_scattered)
+        assert at_position[0] == "DTensor"
+        np.testing.assert_array_equal(at_position[1], want_position)
 
 
 # (name, self shape, indices as (dim or None, values) per entry, values

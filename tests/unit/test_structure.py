@@ -30,6 +30,7 @@ LAYERS = [
     "seeds",  # every process agrees on seeds (runtime seeds a new group)
     "runtime",
     "layouts",
+    "sharding_rules",  # DTensor rules; what torch's own can and cannot do
     "tensors",
     "collectives",  # the one bucketed flat collective
     "stopping",  # ranks stop together
@@ -40,7 +41,6 @@ LAYERS = [
     "agreement",  # ranks agree (fit / evaluate / predict, and each build)
     "copies",  # copies of a variable made equal from creation
     "distribution_lib",
-    "sharding_rules",
     "sharded_init",
     "fsdp",
     "einsum_grad",  # einsum that saves its operands (FSDP regathers them)
