@@ -205,11 +205,12 @@ def spec_for(layer, policy):
 
 
 class _GroupGather(torch.autograd.Function):
-    """Shards in, whole local tensors out (the gather `flat` already
-    started); backward reduce-scatters the gradients in one flat buffer."""
+    """Stored values (DTensors) in, whole local tensors out (the gather
+    `flat` already started); backward reduce-scatters the gradients in one
+    flat buffer, and hands each its variable's own layout (`_laid_out_as`)."""
 
     @staticmethod
-    def forward(ctx, source, flat, factor, *shards):
+    def forward(ctx, source, flat, factor, *stored):
         ctx.source = source
         ctx.factor = factor
         ctx.set_materialize_grads(False)
@@ -234,8 +235,27 @@ class _GroupGather(torch.autograd.Function):
         )
         needs = ctx.needs_input_grad[3:]
         return (None, None, None) + tuple(
-            g if need else None for g, need in zip(shard_grads, needs)
+            _laid_out_as(g, stored) if need else None
+            for g, stored, need in zip(shard_grads, source.stored, needs)
         )
+
+
+def _laid_out_as(grad, stored):
+    """This rank's shard of a gradient, as a DTensor with the global shape
+    and strides of `stored`, the variable's value. Autograd keeps a
+    gradient whose strides are its variable's, and copies any other into a
+    new tensor of the variable's strides: `to_local`'s backward derives
+    strides from the local block, which for a dim sharded unevenly (7 over
+    2) never match, and torch<2.13 makes that new tensor replicated (an
+    all-gather of every such gradient, each step)."""
+    return DTensor.from_local(
+        grad,
+        stored.device_mesh,
+        stored.placements,
+        run_check=False,
+        shape=stored.shape,
+        stride=stored.stride(),
+    )
 
 
 class _BucketSource:
@@ -355,14 +375,13 @@ class _GroupCall:
         stored = bucket.stored()
         source = _BucketSource(bucket, stored, flat.dtype)
         self.sources[b] = source
-        shards = [s.to_local() for s in stored]
-        if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
+        if torch.is_grad_enabled() and any(s.requires_grad for s in stored):
             factor = replicas.batch_scale() / bucket.ranks
-            outputs = _GroupGather.apply(source, flat, factor, *shards)
+            outputs = _GroupGather.apply(source, flat, factor, *stored)
             if bucket.lookup_eligible:
                 self.lookups[id(outputs[0])] = (
                     outputs[0],
-                    lookup_gradients.Lookup(bucket, shards[0], factor),
+                    lookup_gradients.Lookup(bucket, stored[0].to_local(), factor),
                 )
         else:
             outputs = flat.take()

@@ -29,8 +29,8 @@ LAYERS = [
     "launch",
     "seeds",  # every process agrees on seeds (runtime seeds a new group)
     "runtime",
-    "layouts",
     "sharding_rules",  # DTensor rules; what torch's own can and cannot do
+    "layouts",
     "tensors",
     "collectives",  # the one bucketed flat collective
     "stopping",  # ranks stop together

@@ -28,6 +28,8 @@ _INDEX_PUT_OPS = (
     torch.ops.aten.index_put_.default,
     torch.ops.aten._index_put_impl_.default,
 )
+# Stack: torch's own strategy, given a non-negative dim.
+_STACK = torch.ops.aten.stack.default
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def _dtensor_tables():
             propagator.op_single_dim_strategy_funcs.get(op),
             dispatcher._custom_op_handlers.get(op),
         )
-        for op in _RULE_OPS + _INDEX_PUT_OPS
+        for op in _RULE_OPS + _INDEX_PUT_OPS + (_STACK,)
     }
 
 
@@ -85,6 +87,9 @@ def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
             assert ours[op][0] is sharding_rules._index_put_strategy, op
         else:
             assert ours[op] == torch_own[op], op
+    if torch_own[_STACK][0] is not None:
+        assert ours[_STACK][0] is not torch_own[_STACK][0]
+        assert ours[_STACK][1:] == torch_own[_STACK][1:]
 
     keras_torch_distribution.uninstall()
     assert _dtensor_tables() == torch_own
