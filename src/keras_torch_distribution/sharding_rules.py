@@ -261,9 +261,11 @@ def _attention_ops():
 
 
 # ---------------------------------------------------------------------------
-# Rules torch's DTensor has as single-dim strategies from 2.13 on, and
-# lacks or gets wrong before (2.11, 2.12). Each is registered only where
-# torch has no single-dim strategy for the op (`register`).
+# What torch's DTensor lacks or gets wrong before 2.13 (2.11, 2.12), chosen
+# in `register` by what torch has: convolution and index writes where it
+# has no single-dim strategy for them, squeezes where its propagator does
+# not rewrite them; stack's dim is made non-negative wherever stack has a
+# whole-op strategy (a no-op where torch normalises it right).
 # ---------------------------------------------------------------------------
 
 
