@@ -21,17 +21,19 @@ operand-only indices, compiling) go to Keras' own einsum.
 
 Where torch's DTensor cannot flatten dims of which a later one is sharded
 (torch<2.13 refuses: "Attempted to flatten multiple dimensions, with
-dimension 1 being sharded"; 2.13 gives a `_StridedShard`), the equation's
-labels are renamed first so that the labels of sharded dims come first in
-`torch.einsum`'s label order (`sharded_labels_first`). `torch.einsum`
-orders the dims it contracts by label and flattens them into one; a
-sharded dim first among them flattens into a sharded dim. The rename
-changes no number: keras_hub's attention output "bquh,uhm->bqm", heads
-("u") sharded, runs as "BEAC,ACD->BED". Gradients can arrive sharded where
-the forward's output was not (Qwen's attention runs replicated, its output
-kernel is sharded on the heads): where torch refuses, every einsum of the
-kind `_Einsum` handles runs as `_Einsum` when it meets a DTensor (not
-only under FSDP), and its backward einsums are put in order the same way.
+dimension 1 being sharded"; 2.13 gives a `_StridedShard`), the equation is
+rewritten first (`sharded_dims_first`): `torch.einsum` flattens the dims
+of each kind (batch, kept, contracted) into one, in the output's order or
+its labels', and a sharded dim first among them flattens into a sharded
+dim. So the output lists its sharded labels first (the result is permuted
+back), the labels are renamed so that the sharded ones come first, and of
+two sharded labels of one kind the second is replicated first. The same
+sums: keras_hub's attention output "bquh,uhm->bqm", heads ("u") sharded,
+runs as "BEAC,ACD->BED". A gradient can arrive sharded where the forward's
+output was not (Qwen's attention runs replicated, its output kernel is
+sharded on the heads), so there every einsum of the kind `_Einsum` handles
+runs as `_Einsum` when it meets a DTensor (not only under FSDP), its
+backward einsums rewritten the same way.
 """
 
 import string

@@ -28,6 +28,12 @@ has them; this module changes only what is missing or wrong:
   came out labelled Shard(3), silently wrong. torch's own strategy is
   given the dim made non-negative (`_stack_dim_made_non_negative`; what
   torch>=2.13 does itself).
+- Squeeze: torch<2.13 has no strategy for `squeeze.dims` (Keras'
+  `squeeze(x, axes)`, BatchNormalization's moments), and its `squeeze`
+  runs the local op on the local block, which drops a sharded dim whose
+  block has one entry (2 over 2 processes) while the result claims it:
+  `_squeeze_strategy` squeezes only dims of global size 1, and gathers a
+  sharded dim the local op could drop, as torch 2.13 rewrites the op.
 - Attention: `aten._scaled_dot_product_flash_attention_for_cpu` (CPU) and,
   where torch has no single-dim strategy for them (2.13), the CUDA
   `_scaled_dot_product_{flash,efficient,cudnn}_attention`, with their
@@ -255,9 +261,11 @@ def _attention_ops():
 
 
 # ---------------------------------------------------------------------------
-# Rules torch's DTensor has as single-dim strategies from 2.13 on, and
-# lacks or gets wrong before (2.11, 2.12). Each is registered only where
-# torch has no single-dim strategy for the op (`register`).
+# What torch's DTensor lacks or gets wrong before 2.13 (2.11, 2.12), chosen
+# in `register` by what torch has: convolution and index writes where it
+# has no single-dim strategy for them, squeezes where its propagator does
+# not rewrite them; stack's dim is made non-negative wherever stack has a
+# whole-op strategy (a no-op where torch normalises it right).
 # ---------------------------------------------------------------------------
 
 
@@ -435,6 +443,62 @@ def _stack_dim_made_non_negative(strategy):
     return stack_strategy
 
 
+def _squeeze_strategy(op_schema):
+    """`squeeze`, `squeeze.dim`, `squeeze.dims`: drops the given dims (all,
+    without any) of global size 1; the result keeps the input's placements,
+    renumbered. The local op drops the local block's dims of size 1 among
+    them, so a dim among them sharded where a process's block could have
+    one entry is gathered first (replicated on those mesh axes)."""
+    from torch.distributed.tensor._op_schema import OpSpec
+    from torch.distributed.tensor._op_schema import OpStrategy
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+
+    input_strategy, *rest = op_schema.args_schema
+    spec = input_strategy.strategies[0].output_spec
+    shape = tuple(spec.tensor_meta.shape)
+    ndim = len(shape)
+    if not rest:
+        dims = set(range(ndim))
+    else:
+        given = rest[0] if isinstance(rest[0], (list, tuple)) else [rest[0]]
+        dims = {d % ndim for d in given} if ndim else set()
+    removed = sorted(d for d in dims if shape[d] == 1)
+    mesh_sizes = spec.mesh.shape
+
+    def could_be_one(dim):
+        """Whether a process's block of `dim`, sharded as `spec` says, can
+        have at most one entry (torch's chunks: the last ones shorter)."""
+        parts = 1
+        for p, size in zip(spec.placements, mesh_sizes):
+            if p.is_shard() and getattr(p, "dim", None) == dim:
+                parts *= size
+        chunk = -(-shape[dim] // parts)
+        return any(min(chunk, shape[dim] - i * chunk) <= 1 for i in range(parts))
+
+    inputs, outputs = [], []
+    for p in spec.placements:
+        dim = getattr(p, "dim", None) if p.is_shard() else None
+        if dim is not None and (
+            not isinstance(p, Shard) or dim in removed or (dim in dims and could_be_one(dim))
+        ):
+            p = Replicate()
+            dim = None
+        inputs.append(p)
+        outputs.append(p if dim is None else Shard(dim - sum(r < dim for r in removed)))
+    input_spec = DTensorSpec(spec.mesh, tuple(inputs), tensor_meta=spec.tensor_meta)
+    return OpStrategy([
+        OpSpec(
+            output_specs=DTensorSpec(spec.mesh, tuple(outputs)),
+            input_specs=(input_spec,),
+            redistribute_cost=[generate_redistribute_costs(input_strategy, input_spec)],
+        )
+    ])
+
+
+_SQUEEZE_OPS = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+
+
 _INDEX_PUT_OPS = (
     aten.index_put.default,
     aten.index_put_.default,
@@ -533,6 +597,11 @@ def register():
         torch_own = propagator.op_strategy_funcs[stack]
         registration.strategies[stack] = torch_own
         propagator.op_strategy_funcs[stack] = _stack_dim_made_non_negative(torch_own)
+    if not hasattr(propagator, "squeeze_op_to_dims_variant"):
+        # torch<2.13: no rewrite of squeezes to dims of global size 1.
+        for op in _SQUEEZE_OPS:
+            if op not in single_dim:
+                _register_strategy(propagator, op, _squeeze_strategy, RuntimeSchemaInfo(1))
     for op in _INDEX_PUT_OPS:
         if op not in single_dim:
             _register_strategy(

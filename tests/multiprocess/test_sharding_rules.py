@@ -344,3 +344,37 @@ def test_stack_of_sharded_tensors_matches_plain(pool2):
             want = shard_dim + 1 if shard_dim >= inserted else shard_dim
             assert placements == repr((Shard(want),)), (shard_dim, dim, placements)
             assert error == 0.0, (shard_dim, dim, error)
+
+
+# squeeze arguments: none, one dim, several (negative ones included).
+SQUEEZES = [(), (0,), (1,), (-1,), ((0, 1),), ((0, 2),), ((0, 1, 2, 3, 4),), ((-5, -3),)]
+
+
+def squeezes():
+    """torch.squeeze of a (1, 2, 3, 1, 4) DTensor sharded on each dim (2
+    over 2 processes: blocks of one entry; 3 over 2: 2 and 1): (dim,
+    arguments, placements, error against the plain tensor)."""
+    mesh = _mesh_1d()
+    plain = torch.randn(1, 2, 3, 1, 4, generator=torch.Generator().manual_seed(0))
+    results = []
+    for shard_dim in (1, 2, 4):
+        sharded = distribute_tensor(plain, mesh, [Shard(shard_dim)])
+        for args in SQUEEZES:
+            got = torch.squeeze(sharded, *args)
+            want = torch.squeeze(plain, *args)
+            full = got.full_tensor()
+            error = float((full - want).abs().max()) if full.shape == want.shape else float("inf")
+            results.append((shard_dim, args, repr(tuple(got.placements)), error))
+    return results
+
+
+def test_squeeze_of_sharded_tensors_matches_plain(pool2):
+    """torch<2.13 has no squeeze.dims strategy (Keras' BatchNormalization
+    squeezes its moments by axes), and its squeeze drops a sharded dim whose
+    local block has one entry."""
+    for results in pool2.run(squeezes):
+        assert len(results) == 3 * len(SQUEEZES)
+        for shard_dim, args, placements, error in results:
+            assert error == 0.0, (shard_dim, args, placements, error)
+            if shard_dim == 4:  # 4 over 2 never squeezed: stays sharded
+                assert placements.startswith("(Shard(dim="), (args, placements)

@@ -30,6 +30,12 @@ _INDEX_PUT_OPS = (
 )
 # Stack: torch's own strategy, given a non-negative dim.
 _STACK = torch.ops.aten.stack.default
+# Squeezes: the package's strategy where torch does not rewrite them.
+_SQUEEZE_OPS = (
+    torch.ops.aten.squeeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims,
+)
 
 
 @pytest.fixture
@@ -49,7 +55,7 @@ def _dtensor_tables():
             propagator.op_single_dim_strategy_funcs.get(op),
             dispatcher._custom_op_handlers.get(op),
         )
-        for op in _RULE_OPS + _INDEX_PUT_OPS + (_STACK,)
+        for op in _RULE_OPS + _INDEX_PUT_OPS + (_STACK,) + _SQUEEZE_OPS
     }
 
 
@@ -90,6 +96,12 @@ def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
     if torch_own[_STACK][0] is not None:
         assert ours[_STACK][0] is not torch_own[_STACK][0]
         assert ours[_STACK][1:] == torch_own[_STACK][1:]
+    rewrites = hasattr(DTensor._op_dispatcher.sharding_propagator, "squeeze_op_to_dims_variant")
+    for op in _SQUEEZE_OPS:
+        if rewrites:
+            assert ours[op] == torch_own[op], op
+        else:
+            assert ours[op][0] is sharding_rules._squeeze_strategy, op
 
     keras_torch_distribution.uninstall()
     assert _dtensor_tables() == torch_own
