@@ -13,7 +13,7 @@ style: one all-reduce per column/row pair in the forward pass):
                dense_{1,3}/bias replicated. The batch axis is always data;
                of size 1 it leaves pure tensor parallelism. (On a 1-D
                ("model",) mesh the batch axis would be "model" itself, and
-               these kernels FSDP: see fsdp.py.)
+               these kernels FSDP: see benchmarks/fsdp.py.)
   torch_tp  -- torch.distributed.tensor.parallel.parallelize_module on an
                nn.Sequential of nn.Linear with ColwiseParallel (0, 2) and
                RowwiseParallel (1, 3) over a ("model",) mesh of 2,

@@ -270,9 +270,9 @@ class SavedForBackward:
         self.token_bytes = 0
 
     def install(self):
-        from keras_torch_distribution import fsdp
+        from keras_torch_distribution.fsdp import gathering
 
-        regatherer = getattr(fsdp, "_Regatherer", None)
+        regatherer = getattr(gathering, "_Regatherer", None)
         if regatherer is None or not hasattr(regatherer, "pack"):
             return False
         original = regatherer.pack
@@ -374,8 +374,8 @@ def _heap():
 def _mark_groups(sampler):
     """Diagnostics: a mark before each FSDP group's regather and after
     each reduce-scatter of its gradients."""
-    from keras_torch_distribution import fsdp_groups
-    from keras_torch_distribution import lookup_gradients
+    from keras_torch_distribution.fsdp import groups
+    from keras_torch_distribution.fsdp import lookup_gradients
 
     def wrap_backward(cls, label):
         original = cls.backward
@@ -388,16 +388,16 @@ def _mark_groups(sampler):
 
         cls.backward = staticmethod(backward)
 
-    wrap_backward(fsdp_groups._GroupGather, "group")
+    wrap_backward(groups._GroupGather, "group")
     wrap_backward(lookup_gradients._RankMajorLookup, "lookup")
-    regathered = fsdp_groups._BucketSource.regathered
+    regathered = groups._BucketSource.regathered
 
     def marked(self, key):
         if self.tensors is None:
             sampler.mark("before regather")
         return regathered(self, key)
 
-    fsdp_groups._BucketSource.regathered = marked
+    groups._BucketSource.regathered = marked
 
 
 def _malloc_trim():
@@ -540,10 +540,10 @@ def keras_worker():
 
 
 def _keras_state_bytes(model):
-    from keras_torch_distribution import variables as ktd_variables
+    from keras_torch_distribution.variables import born_sharded
 
-    weights = sum(ktd_variables.local_bytes(v) for v in model.trainable_variables)
-    optimizer = sum(ktd_variables.local_bytes(v) for v in model.optimizer.variables)
+    weights = sum(born_sharded.local_bytes(v) for v in model.trainable_variables)
+    optimizer = sum(born_sharded.local_bytes(v) for v in model.optimizer.variables)
     return {"weights": weights, "optimizer": optimizer}
 
 

@@ -38,7 +38,7 @@ def _worker(case, steps):
     import torch
     import torch.distributed as dist
 
-    from keras_torch_distribution import stopping
+    from keras_torch_distribution.distributed import stopping
 
     torch.set_num_threads(1)
     keras.distribution.initialize()

@@ -244,7 +244,7 @@ def resume_fit(backup_dir, record, kill, epochs=EPOCHS):
     whether the backup is left)."""
     import keras
 
-    from keras_torch_distribution import runtime
+    from keras_torch_distribution.distributed import runtime
 
     distribute(SAVE_RULES)
     model = checkpoint_model()

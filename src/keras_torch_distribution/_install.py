@@ -13,29 +13,29 @@ import gc
 import keras
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import boundary
+from keras_torch_distribution.training import boundary
 from keras_torch_distribution import checkpoint
-from keras_torch_distribution import compiled
-from keras_torch_distribution import copies
-from keras_torch_distribution import data
+from keras_torch_distribution.training import compiled
+from keras_torch_distribution.variables import copies
+from keras_torch_distribution.batch import adapter
 from keras_torch_distribution import distribution_lib
-from keras_torch_distribution import einsum_grad
-from keras_torch_distribution import flat_shards
-from keras_torch_distribution import fsdp
-from keras_torch_distribution import fsdp_groups
-from keras_torch_distribution import layouts
-from keras_torch_distribution import metric_states
-from keras_torch_distribution import optimizer_update
-from keras_torch_distribution import random_slices
-from keras_torch_distribution import replica_start
-from keras_torch_distribution import replicas
-from keras_torch_distribution import runtime
+from keras_torch_distribution.fsdp import einsum_grad
+from keras_torch_distribution.fsdp import flat_shards
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.fsdp import groups
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.training import metric_states
+from keras_torch_distribution.training import optimizer_update
+from keras_torch_distribution.batch import random_slices
+from keras_torch_distribution.training import replica_start
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution import saving
-from keras_torch_distribution import sharding_rules
-from keras_torch_distribution import sync_batch_norm
-from keras_torch_distribution import tensors
-from keras_torch_distribution import trainer
-from keras_torch_distribution import variables
+from keras_torch_distribution.distributed import sharding_rules
+from keras_torch_distribution.batch import sync_batch_norm
+from keras_torch_distribution.distributed import tensors
+from keras_torch_distribution.training import trainer
+from keras_torch_distribution.variables import born_sharded
 
 
 class Patch:
@@ -65,18 +65,18 @@ def _patch_table():
         Patch(k.keras_distribution_module, "distribution_lib", distribution_lib),
         # Variables: born sharded, gathered for use on the batch axis (FSDP),
         # reassigned in place, read as global values.
-        Patch(k.TorchVariable, "_initialize", variables.initialize, wrap=True),
+        Patch(k.TorchVariable, "_initialize", born_sharded.initialize, wrap=True),
         Patch(
             k.TorchVariable,
             "_initialize_with_initializer",
-            variables.initialize_with_initializer,
+            born_sharded.initialize_with_initializer,
             wrap=True,
         ),
-        Patch(k.TorchVariable, "_direct_assign", variables.direct_assign, wrap=True),
-        Patch(k.TorchVariable, "_convert_to_tensor", variables.convert_for_assign, wrap=True),
-        Patch(k.TorchVariable, "_maybe_autocast", variables.value_for_use, wrap=True),
-        Patch(k.TorchVariable, "__array__", variables.to_numpy, wrap=True),
-        Patch(k.TorchVariable, "__repr__", variables.describe, wrap=True),
+        Patch(k.TorchVariable, "_direct_assign", born_sharded.direct_assign, wrap=True),
+        Patch(k.TorchVariable, "_convert_to_tensor", born_sharded.convert_for_assign, wrap=True),
+        Patch(k.TorchVariable, "_maybe_autocast", born_sharded.value_for_use, wrap=True),
+        Patch(k.TorchVariable, "__array__", born_sharded.to_numpy, wrap=True),
+        Patch(k.TorchVariable, "__repr__", born_sharded.describe, wrap=True),
         # Under FSDP, einsum keeps its operands for backward (gathered
         # kernels are then regathered), not copies of them.
         Patch(k.torch_numpy_module, "einsum", einsum_grad.einsum, wrap=True),
@@ -114,7 +114,7 @@ def _patch_table():
         # Moments over the global batch (all replicas' rows).
         Patch(k.BatchNormalization, "_moments", sync_batch_norm.moments, wrap=True),
         # Data: each replica its rows of the global batch.
-        Patch(k.epoch_iterator_data_adapters, "get_data_adapter", data.get_data_adapter, wrap=True),
+        Patch(k.epoch_iterator_data_adapters, "get_data_adapter", adapter.get_data_adapter, wrap=True),
         # Training: gradients averaged over replicas, metrics summed, Adam in place.
         Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(k.TorchAdam, "_parallel_update_step", optimizer_update.adam_update, wrap=True),
@@ -184,7 +184,7 @@ def install():
     for patch in table:
         setattr(patch.owner, patch.name, _bind(patch))
         _installed.append(patch)
-    variables.enable_implicit_replication()
+    born_sharded.enable_implicit_replication()
     sharding_rules.register()
     if not _exit_registered:
         # Registered at import, before the application's own hooks: those
@@ -246,13 +246,13 @@ def _state_objects():
     per-model caches, then the mesh caches they were built on."""
     return (
         sharding_rules.registration,  # torch's own rules and handlers back
-        variables.state,  # implicit replication off; no sharded variables seen
+        born_sharded.state,  # implicit replication off; no sharded variables seen
         trainer.optimizer_sync,  # overlapped reducers and their gradient hooks
         metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,
         boundary.active_forward,
-        fsdp.state,
-        fsdp_groups.state,
+        gathering.state,
+        groups.state,
         flat_shards.streams,
         replica_start.equalized,
         copies.pending,

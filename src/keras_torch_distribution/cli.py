@@ -44,7 +44,7 @@ def print_launch():
     """What keras.distribution.initialize() would do in this process (which
     launcher, address, port, world, rank, local rank), starting nothing.
     1 when the environment is incomplete (the error is printed)."""
-    from keras_torch_distribution import runtime
+    from keras_torch_distribution.distributed import runtime
 
     print("\ninitialize() here:")
     try:

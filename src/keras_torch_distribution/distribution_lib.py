@@ -9,10 +9,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import layouts
-from keras_torch_distribution import runtime
-from keras_torch_distribution import seeds
-from keras_torch_distribution import tensors
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution.distributed import seeds
+from keras_torch_distribution.distributed import tensors
 
 list_devices = runtime.list_devices
 get_device_count = runtime.get_device_count

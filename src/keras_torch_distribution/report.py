@@ -1,7 +1,7 @@
 """Shard report: where every variable lives and what each rank holds.
 
 Large variables that the layout map leaves whole on every rank while it
-shards others (`whole_variables`) are marked "WHOLE", with the LayoutMap
+shards others (`variables.left_whole`) are marked "WHOLE", with the LayoutMap
 key that would shard them.
 
 What `ktd report CHECKPOINT` prints for a checkpoint on disk lives with the
@@ -12,9 +12,9 @@ from here too.
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import runtime
-from keras_torch_distribution import tensors
-from keras_torch_distribution import whole_variables
+from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution.distributed import tensors
+from keras_torch_distribution.variables import left_whole
 from keras_torch_distribution.checkpoint.inspect import checkpoint_table  # noqa: F401
 from keras_torch_distribution.checkpoint.inspect import format_checkpoint_table  # noqa: F401
 from keras_torch_distribution.log import logger
@@ -39,7 +39,7 @@ def shard_table(model):
     shape and bytes; optimizer variables are included when built."""
     whole = {
         id(entry["variable"]): entry
-        for entry in whole_variables.left_whole(
+        for entry in left_whole.left_whole(
             model.variables, _keras.current_distribution()
         )
     }

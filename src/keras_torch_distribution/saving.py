@@ -23,7 +23,7 @@ import tempfile
 import keras
 import torch.distributed as dist
 
-from keras_torch_distribution import runtime
+from keras_torch_distribution.distributed import runtime
 
 
 def _collective_write(original, model, filepath, *args, **kwargs):

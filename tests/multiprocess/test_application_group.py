@@ -2,7 +2,7 @@
 `init_process_group("nccl")` is on a GPU machine): the package's own
 collectives on CPU tensors -- ranks agreeing before fit (`agreement`),
 stopping together (`stopping`), the shared shuffle's generator state
-(`data`), the checkpoint files' agreement and barriers (`checkpoint._files`)
+(`batch.adapter`), the checkpoint files' agreement and barriers (`checkpoint._files`)
 -- run on a gloo side group (`runtime.cpu_group()`).
 
 On this CPU machine the group is "cuda:gloo": gloo for CUDA tensors only,
@@ -29,10 +29,10 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
     import torch
     import torch.distributed as dist
 
-    from keras_torch_distribution import agreement
-    from keras_torch_distribution import data
-    from keras_torch_distribution import runtime
-    from keras_torch_distribution import stopping
+    from keras_torch_distribution.distributed import agreement
+    from keras_torch_distribution.batch import adapter
+    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution.distributed import stopping
     from keras_torch_distribution.checkpoint import _files
 
     rank = rank_by_pid[os.getpid()]
@@ -55,7 +55,7 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
         except agreement.RanksDisagreeError as error:
             result["disagreement"] = str(error)
         torch.manual_seed(100 + rank)  # ranks' generators differ ...
-        data._same_torch_generator_everywhere()  # ... until rank 0's is shared
+        adapter._same_torch_generator_everywhere()  # ... until rank 0's is shared
         result["shuffle_draw"] = torch.rand(3).tolist()
         result["files_agree"] = _files.agree(lambda: rank)
         _files.barrier()

@@ -318,7 +318,7 @@ def test_no_step_inherits_another_batch_weight(pool2):
 def _disagreeing_fit(what):
     import time
 
-    from keras_torch_distribution.agreement import RanksDisagreeError
+    from keras_torch_distribution.distributed.agreement import RanksDisagreeError
 
     rank = torch.distributed.get_rank()
     x, y = _data()
@@ -328,7 +328,7 @@ def _disagreeing_fit(what):
     )
     model = _model()
     if what == "agree":
-        from keras_torch_distribution import agreement
+        from keras_torch_distribution.distributed import agreement
 
         start = time.perf_counter()
         for _ in range(20):

@@ -154,7 +154,7 @@ def test_malicious_metadata_runs_nothing_and_names_the_class(pool2, tmp_path, ca
 def save_and_load_keras_file_with_a_lambda(path):
     import keras
 
-    from keras_torch_distribution import runtime
+    from keras_torch_distribution.distributed import runtime
 
     distribute(SAVE_RULES)
     keras.utils.set_random_seed(5)
@@ -255,7 +255,7 @@ def save_errors(path, fill_after=None, size_limit_rank=None):
     import signal
 
     from keras_torch_distribution import checkpoint
-    from keras_torch_distribution import runtime
+    from keras_torch_distribution.distributed import runtime
 
     distribute({r".*col/kernel": (None, "model"), r".*col/bias": ("model",)})
     model = _big_model()
@@ -344,7 +344,7 @@ def backup_with_snapshots(backup_dir, snapshots):
     epoch-2 one (what rank 0 dying there would leave), and once after."""
     import keras
 
-    from keras_torch_distribution import runtime
+    from keras_torch_distribution.distributed import runtime
     from keras_torch_distribution.checkpoint import _files
 
     distribute(SAVE_RULES)

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from keras_torch_distribution import collective_counts  # noqa: E402
+from keras_torch_distribution.distributed import collective_counts  # noqa: E402
 from keras_torch_distribution import testing  # noqa: E402
 
 GLOBAL_BATCH, ROWS = 16, 64

@@ -2,7 +2,7 @@
 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (GPU audit
 M3): parameters are all-gathered in bfloat16 (half the bytes of float32),
 gradients reduce-scattered in float32, on the grouped flat path
-(`fsdp_groups`) and on the per-variable DTensor path (`fsdp`: variables
+(`fsdp.groups`) and on the per-variable DTensor path (`fsdp.gathering`: variables
 outside a group, everything under jit_compile). On 2 gloo processes
 against one process on the global batch, with the dtype and bytes of every
 collective of one training step recorded.
@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from keras_torch_distribution import collective_counts  # noqa: E402
+from keras_torch_distribution.distributed import collective_counts  # noqa: E402
 from keras_torch_distribution import testing  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -91,15 +91,15 @@ def _train(distributed, path="groups"):
     "variables" (no group: the per-variable gathers) or "compiled"
     (jit_compile=True: the per-variable gathers, traced by torch.compile;
     its collectives are not recorded)."""
-    from keras_torch_distribution import compiled
-    from keras_torch_distribution import fsdp_groups
+    from keras_torch_distribution.training import compiled
+    from keras_torch_distribution.fsdp import groups
 
     x, y = _data()
     saved_policy = keras.config.dtype_policy()
-    saved_spec_for = fsdp_groups.spec_for
+    saved_spec_for = groups.spec_for
     keras.config.set_dtype_policy("mixed_bfloat16")
     if path == "variables":
-        fsdp_groups.spec_for = lambda layer, policy: None
+        groups.spec_for = lambda layer, policy: None
     try:
         with testing.environment({"KTD_FSDP_PREFETCH": "1"}):
             if distributed:
@@ -130,7 +130,7 @@ def _train(distributed, path="groups"):
             return result
     finally:
         keras.config.set_dtype_policy(saved_policy)
-        fsdp_groups.spec_for = saved_spec_for
+        groups.spec_for = saved_spec_for
 
 
 _reference = []

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from keras_torch_distribution import variables as ktd_variables  # noqa: E402
+from keras_torch_distribution.variables import born_sharded  # noqa: E402
 
 RTOL = ATOL = 1e-5
 STEPS = 3
@@ -254,7 +254,7 @@ def _shards(model):
             tuple(v.shape),
             tuple(local.shape),
             str(tuple(value.placements)) if isinstance(value, DTensor) else None,
-            ktd_variables.local_bytes(v),
+            born_sharded.local_bytes(v),
         )
     return out
 
@@ -283,7 +283,7 @@ def numbers(case, mesh, training=True):
         result[f"{name}_losses"] = _train_apply(model, x, y, case, optimizer)
         result[f"{name}_weights"] = _weights(model)
         result[f"{name}_slots"] = {
-            v.path: (ktd_variables.local_bytes(v), np.asarray(v))
+            v.path: (born_sharded.local_bytes(v), np.asarray(v))
             for v in optimizer.variables
         }
         result[f"{name}_iterations_grad"] = optimizer.iterations._value.requires_grad
@@ -501,8 +501,8 @@ def variable_semantics():
         for slot in (optimizer._momentums[index], optimizer._velocities[index]):
             slots[slot.path] = (
                 variable.path,
-                ktd_variables.local_bytes(slot),
-                ktd_variables.local_bytes(variable),
+                born_sharded.local_bytes(slot),
+                born_sharded.local_bytes(variable),
                 np.asarray(variable).nbytes,
                 str(getattr(slot._value, "placements", None)),
                 str(getattr(variable._value, "placements", None)),

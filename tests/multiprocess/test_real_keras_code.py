@@ -239,7 +239,7 @@ def test_small_things_users_meet_first(pool2):
 def test_layouts_longer_than_the_tensor_are_refused(axes):
     from torch.distributed.tensor import Shard
 
-    from keras_torch_distribution import layouts
+    from keras_torch_distribution.distributed import layouts
 
     layout = layouts.TorchLayout(mesh=None, placements=(Shard(0),), axes=axes)
     with pytest.raises(ValueError, match=r"have 4 entries, but the tensor has shape \(2, 3\)"):

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from keras_torch_distribution import einsum_grad
-from keras_torch_distribution import fsdp
+from keras_torch_distribution.fsdp import einsum_grad
+from keras_torch_distribution.fsdp import gathering
 
 # keras_hub Llama's attention projections and two more shapes of EinsumDense.
 EQUATIONS = {
@@ -21,7 +21,7 @@ EQUATIONS = {
 
 @pytest.fixture
 def fsdp_on(monkeypatch):
-    monkeypatch.setattr(fsdp.state, "plans_exist", True)
+    monkeypatch.setattr(gathering.state, "plans_exist", True)
 
 
 @pytest.mark.parametrize("equation", sorted(EQUATIONS))
@@ -85,7 +85,7 @@ def test_other_equations_go_to_kerases_einsum(fsdp_on, equation, shapes):
 
 
 def test_without_fsdp_variables_keras_einsum_runs(monkeypatch):
-    monkeypatch.setattr(fsdp.state, "plans_exist", False)
+    monkeypatch.setattr(gathering.state, "plans_exist", False)
     calls = []
     a, b = torch.randn(2, 3, requires_grad=True), torch.randn(3, 4)
     einsum_grad.einsum(lambda *args: calls.append(args) or torch.einsum(*args), "ab,bc->ac", a, b)

@@ -28,8 +28,8 @@ def one_process():
     expect none."""
     import torch.distributed as dist
 
-    from keras_torch_distribution import layouts
-    from keras_torch_distribution import replicas
+    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution.distributed import replicas
 
     started = not dist.is_initialized()
     keras.distribution.initialize()
@@ -70,7 +70,7 @@ def test_unknown_axis_name_in_layout_map(one_process):
 
 def test_unknown_axis_name_in_a_tensor_layout(one_process):
     # A TensorLayout built without a mesh is checked when it meets one.
-    from keras_torch_distribution import layouts
+    from keras_torch_distribution.distributed import layouts
 
     with pytest.raises(ValueError, match=r"Layout axes \(None, 'modle'\) name the mesh "
                        r"axis 'modle', which the mesh does not have; its axes are "
@@ -106,7 +106,7 @@ def test_model_parallel_needs_a_layout_map(one_process):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "1e30", "abc", "-5", "0"])
 def test_bad_timeout_setting(monkeypatch, value):
-    from keras_torch_distribution import runtime
+    from keras_torch_distribution.distributed import runtime
 
     monkeypatch.setenv("KTD_TIMEOUT_SECONDS", value)
     with pytest.raises(ValueError) as caught:

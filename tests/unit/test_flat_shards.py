@@ -6,7 +6,7 @@ reduce_scatter_tensor reduces), with no process group."""
 import pytest
 import torch
 
-from keras_torch_distribution import flat_shards
+from keras_torch_distribution.fsdp import flat_shards
 
 # (whole shape, sharded dim): even and uneven dims, a rank holding nothing.
 CASES = [((8, 6), 0), ((5, 3), 0), ((4, 7), 1), ((2, 3, 5), 2), ((3,), 0), ((1, 4), 0)]

@@ -19,9 +19,9 @@ import pytest  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
 
 from keras_torch_distribution import _keras  # noqa: E402
-from keras_torch_distribution import layouts  # noqa: E402
-from keras_torch_distribution import tensors  # noqa: E402
-from keras_torch_distribution import variables  # noqa: E402
+from keras_torch_distribution.distributed import layouts  # noqa: E402
+from keras_torch_distribution.distributed import tensors  # noqa: E402
+from keras_torch_distribution.variables import born_sharded  # noqa: E402
 
 from helpers import Allocations  # noqa: E402
 
@@ -74,12 +74,12 @@ def test_assign_converts_a_value_for_a_sharded_variable_on_the_host(monkeypatch)
     for a sharded variable a numpy value becomes a CPU tensor; a plain
     variable's goes to Keras' device as Keras puts it."""
     monkeypatch.setattr(_keras.torch_core_module, "DEFAULT_DEVICE", "meta")
-    monkeypatch.setattr(variables, "DTensor", _Sharded)
+    monkeypatch.setattr(born_sharded, "DTensor", _Sharded)
     sharded = types.SimpleNamespace(_value=_Sharded())
     plain = types.SimpleNamespace(_value=None)
-    value = variables.convert_for_assign(_keras_conversion, sharded, VALUE, dtype="bfloat16")
+    value = born_sharded.convert_for_assign(_keras_conversion, sharded, VALUE, dtype="bfloat16")
     assert value.device.type == "cpu" and str(value.dtype) == "torch.bfloat16"
-    assert variables.convert_for_assign(_keras_conversion, plain, VALUE).device.type == "meta"
+    assert born_sharded.convert_for_assign(_keras_conversion, plain, VALUE).device.type == "meta"
 
 
 def test_assign_conversion_is_installed():
@@ -87,6 +87,6 @@ def test_assign_conversion_is_installed():
 
     assert any(
         patch.owner is _keras.TorchVariable and patch.name == "_convert_to_tensor"
-        and patch.replacement is variables.convert_for_assign
+        and patch.replacement is born_sharded.convert_for_assign
         for patch in _install._installed
     )

@@ -15,7 +15,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
-from keras_torch_distribution import runtime  # noqa: E402
+from keras_torch_distribution.distributed import runtime  # noqa: E402
 
 from helpers import LAUNCHER_VARIABLES  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_initialize_from_the_launcher_environment(torch_start, monkeypatch):
 
 def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
     """On CUDA, the process computes on GPU LOCAL_RANK % device_count."""
-    from keras_torch_distribution import seeds
+    from keras_torch_distribution.distributed import seeds
 
     calls, store = torch_start
     calls.init_process_group.side_effect = None  # the group "starts"
@@ -115,7 +115,7 @@ def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
 
 def _started_on_cuda(torch_start, monkeypatch, device_count=2):
     """torch_start with CUDA "available" and the group "started"."""
-    from keras_torch_distribution import seeds
+    from keras_torch_distribution.distributed import seeds
 
     calls, store = torch_start
     calls.init_process_group.side_effect = None
@@ -155,7 +155,7 @@ def test_a_given_local_rank_is_not_counted(torch_start, monkeypatch):
 
 def test_a_cpu_start_touches_no_gpu(torch_start, monkeypatch):
     """KTD_DEVICE=cpu on a CUDA machine: gloo, no device, no device_id."""
-    from keras_torch_distribution import seeds
+    from keras_torch_distribution.distributed import seeds
 
     calls, store = torch_start
     calls.init_process_group.side_effect = None
@@ -225,7 +225,7 @@ def test_without_ktd_device_keras_stays_on_cuda(cuda_machine, monkeypatch):
 def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):
     """A 'cpu' mesh on a CUDA run would hold CUDA tensors: refused, from
     list_devices('cpu') and from hand-written 'cpu:R' devices."""
-    from keras_torch_distribution import layouts
+    from keras_torch_distribution.distributed import layouts
 
     monkeypatch.delenv("KTD_DEVICE", raising=False)
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)
@@ -241,7 +241,7 @@ def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):
 
 
 def test_gpu_devices_under_ktd_device_cpu_are_refused(cuda_machine, monkeypatch):
-    from keras_torch_distribution import layouts
+    from keras_torch_distribution.distributed import layouts
 
     monkeypatch.setenv("KTD_DEVICE", "cpu")
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from keras_torch_distribution import log
-from keras_torch_distribution import sharded_init
+from keras_torch_distribution.variables import sharded_init
 
 # (shape, pieces per dim): shard on dim 0, dim 1, both, uneven, 1-D biases,
 # 3-D and 4-D conv kernels, shapes under 16 values, rows that are not a

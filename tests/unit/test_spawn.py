@@ -16,7 +16,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
-from keras_torch_distribution import runtime  # noqa: E402
+from keras_torch_distribution.distributed import runtime  # noqa: E402
 from keras_torch_distribution.launch import environments  # noqa: E402
 from keras_torch_distribution.launch import spawn  # noqa: E402
 

@@ -1,12 +1,18 @@
 """The package's structure: layers without an import circle, one seam.
 
-LAYERS lists the package's modules bottom first; a module imports only
-modules listed before it (at module level or inside functions), so there
-is no import circle. Only `_keras.py` imports `keras.src`.
+LAYERS lists the package's layers bottom first: its top-level modules and
+its sub-packages (a module listed by its full name, `launch.__main__`, sits
+apart from its package). Inside a sub-package the order is the one its
+`__init__` docstring lists its modules in ("- `name`: ..."), and the
+package's `__init__` sits above its modules. A module imports only modules
+below it (at module level or inside functions), so there is no import
+circle. `docs/architecture.md`'s layer table lists LAYERS, checked here.
+Only `_keras.py` imports `keras.src`.
 """
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -14,58 +20,23 @@ import keras_torch_distribution
 
 PACKAGE_DIR = os.path.dirname(keras_torch_distribution.__file__)
 PACKAGE = "keras_torch_distribution"
+ARCHITECTURE = os.path.join(
+    os.path.dirname(__file__), "..", "..", "docs", "architecture.md"
+)
 
 LAYERS = [
-    "_keras",  # the only importer of keras.src
+    "_keras",  # the seam: the only importer of keras.src
     "_env",  # KTD_* settings
     "log",
-    "launch.hostlist",  # the launch side: detection and process start (pure of Keras)
-    "launch.variables",
-    "launch.schedulers",
-    "launch.environments",
-    "launch.failures",
-    "launch.spawn",
-    "launch.torchrun",  # `ktd run`
-    "launch",
-    "seeds",  # every process agrees on seeds (runtime seeds a new group)
-    "runtime",
-    "sharding_rules",  # DTensor rules; what torch's own can and cannot do
-    "layouts",
-    "tensors",
-    "collectives",  # the one bucketed flat collective
-    "stopping",  # ranks stop together
-    "flat_shards",  # FSDP's flat all-gather / reduce-scatter of a group's shards
-    "lookup_gradients",  # an embedding's gradient made in rank-major order
-    "collective_counts",  # counting a step's collectives (tests, benchmarks)
-    "replicas",
-    "agreement",  # ranks agree (fit / evaluate / predict, and each build)
-    "copies",  # copies of a variable made equal from creation
-    "distribution_lib",
-    "sharded_init",
+    "launch",  # which launcher started this process; starting more
+    "distributed",  # processes, meshes, DTensors
     "fsdp",
-    "einsum_grad",  # einsum that saves its operands (FSDP regathers them)
-    "variables",
-    "whole_variables",  # what a layout map leaves whole
-    "fsdp_groups",  # FSDP by group, prefetched
-    "data",
-    "random_slices",
-    "sync_batch_norm",
-    "gradients",
-    "overlap",
-    "optimizer_update",
-    "boundary",
-    "compiled",
+    "variables",  # born sharded
+    "distribution_lib",  # the backend module keras.distribution calls
     "saving",
-    "metric_states",  # metric states summed, in the gradient all-reduce when it can
-    "trainer",
-    "replica_start",
-    "checkpoint._errors",
-    "checkpoint._keys",
-    "checkpoint._files",
-    "checkpoint._dcp",
-    "checkpoint.callbacks",
-    "checkpoint.inspect",
+    "batch",
     "checkpoint",
+    "training",  # the step
     "report",
     "_install",  # the patch table
     "__init__",
@@ -74,6 +45,33 @@ LAYERS = [
     "__main__",
     "testing",
 ]
+
+
+def package_order(package_dir, package):
+    """The modules of a sub-package in the order its `__init__` docstring
+    lists them ("- `name`: ..."), bottom first."""
+    path = os.path.join(package_dir, package, "__init__.py")
+    docstring = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read()))
+    return re.findall(r"^- `(\w+)`", docstring or "", flags=re.M)
+
+
+def positions(package_dir, layers):
+    """Module name -> a sortable position: (layer, place in its package)."""
+    where = {}
+    for module, path in _modules(package_dir).items():
+        package, _, name = module.partition(".")
+        is_package = module != "__init__" and path.endswith("__init__.py")
+        if module in layers and not is_package:
+            where[module] = (layers.index(module), 0)
+            continue
+        if package not in layers:
+            continue
+        order = package_order(package_dir, package)
+        if is_package:  # the package's __init__, above its modules
+            where[module] = (layers.index(package), len(order))
+        elif name in order:
+            where[module] = (layers.index(package), order.index(name))
+    return where
 
 
 def _modules(package_dir):
@@ -148,21 +146,25 @@ def _keras_src_importers(package_dir):
 
 def layer_violations(package_dir, layers):
     """(module, imported module) pairs where a module imports one that is
-    not listed before it; modules missing from `layers` are named too."""
+    not below it; modules LAYERS and their package's docstring miss are
+    named too."""
     modules = _modules(package_dir)
-    unlisted = sorted(set(modules) - set(layers))
-    position = {name: index for index, name in enumerate(layers)}
+    where = positions(package_dir, layers)
+    unlisted = sorted(set(modules) - set(where))
     violations = []
-    for module in sorted(set(modules) & set(layers)):
+    for module in sorted(where):
         for imported in sorted(_package_imports(module, modules[module], modules)):
-            if position.get(imported, len(layers)) >= position[module]:
+            if where.get(imported, (len(layers), 0)) >= where[module]:
                 violations.append((module, imported))
     return unlisted, violations
 
 
 def test_every_module_imports_only_layers_below_it():
     unlisted, violations = layer_violations(PACKAGE_DIR, LAYERS)
-    assert unlisted == [], f"add {unlisted} to LAYERS in {__file__}"
+    assert unlisted == [], (
+        f"add {unlisted} to LAYERS in {__file__}, or to its package's "
+        "__init__ docstring's module list"
+    )
     assert violations == [], (
         "these imports go up (or sideways) in the layer order, which allows "
         f"import circles: {violations}"
@@ -177,6 +179,23 @@ def test_only_the_seam_imports_keras_src():
     )
 
 
+def architecture_layers(path):
+    """The first column of the layer table in docs/architecture.md: the
+    backticked names of each row, in order (a row may name several)."""
+    text = open(path, encoding="utf-8").read()
+    table = text.split("<!-- layers -->")[1]
+    names = []
+    rows = table.strip().split("\n\n")[0].splitlines()
+    for row in rows[2:]:  # after the header and its rule
+        first = row.split("|")[1]
+        names += re.findall(r"`([\w.]+)/?`", first)
+    return names
+
+
+def test_the_architecture_doc_lists_the_layers_in_order():
+    assert architecture_layers(ARCHITECTURE) == LAYERS
+
+
 @pytest.fixture
 def fake_package(tmp_path):
     package = tmp_path / PACKAGE
@@ -188,16 +207,31 @@ def fake_package(tmp_path):
         f"from {PACKAGE} import low\n\ndef f():\n    from {PACKAGE} import top\n"
     )
     (package / "top.py").write_text(f"from {PACKAGE} import high\nfrom keras import src\n")
-    (package / "sub" / "__init__.py").write_text("from . import leaf\n")
+    (package / "sub" / "__init__.py").write_text('"""Sub.\n\n- `leaf`: a leaf.\n"""\nfrom . import leaf\n')
     (package / "sub" / "leaf.py").write_text("from keras.src.utils import rng_utils\n")
     return str(package)
 
 
 def test_the_checks_find_offenders(fake_package):
-    layers = ["_keras", "low", "high", "top", "sub.leaf", "sub", "__init__"]
+    layers = ["_keras", "low", "high", "top", "sub", "__init__"]
     assert layer_violations(fake_package, layers) == ([], [("high", "top")])
     assert layer_violations(fake_package, layers[:-1]) == (["__init__"], [("high", "top")])
     assert _keras_src_importers(fake_package) == ["sub.leaf", "top"]
+
+
+def test_a_package_orders_its_modules_by_its_docstring(fake_package):
+    sub = os.path.join(fake_package, "sub")
+    with open(os.path.join(sub, "__init__.py"), "w") as f:
+        f.write('"""Sub.\n\n- `leaf`: a leaf.\n- `stem`: above it.\n"""\nfrom . import leaf\n')
+    with open(os.path.join(sub, "stem.py"), "w") as f:
+        f.write("from keras_torch_distribution.sub import leaf\n")
+    with open(os.path.join(sub, "leaf.py"), "w") as f:
+        f.write("from keras_torch_distribution.sub import stem\n")
+    layers = ["_keras", "low", "high", "top", "sub", "__init__"]
+    assert package_order(fake_package, "sub") == ["leaf", "stem"]
+    assert layer_violations(fake_package, layers) == (
+        [], [("high", "top"), ("sub.leaf", "sub.stem")]
+    )
 
 
 def _keras_private_names():

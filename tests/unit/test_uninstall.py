@@ -9,13 +9,13 @@ from torch.distributed.tensor import DTensor
 
 import keras_torch_distribution
 from keras_torch_distribution import _install
-from keras_torch_distribution import fsdp
-from keras_torch_distribution import overlap
-from keras_torch_distribution import replica_start
-from keras_torch_distribution import replicas
-from keras_torch_distribution import sharding_rules
-from keras_torch_distribution import trainer
-from keras_torch_distribution import variables
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.training import overlap
+from keras_torch_distribution.training import replica_start
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import sharding_rules
+from keras_torch_distribution.training import trainer
+from keras_torch_distribution.variables import born_sharded
 
 _RULE_OPS = (
     torch.ops.aten.convolution.default,
@@ -117,8 +117,8 @@ def test_uninstall_removes_gradient_hooks_and_clears_state(reinstall):
     assert all(p._post_accumulate_grad_hooks for p in params)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     replica_start.equalized.models.add(model)
-    fsdp.state.plans_exist = True
-    variables.state.sharded_exist = True
+    gathering.state.plans_exist = True
+    born_sharded.state.sharded_exist = True
     replicas.batch_weight.set(0.5, rows=(8, 0, 4))
     replicas.cache.by_key["key"] = replicas.Replicas(2, 0, None)
 
@@ -128,8 +128,8 @@ def test_uninstall_removes_gradient_hooks_and_clears_state(reinstall):
     assert len(trainer.optimizer_sync.reducers) == 0
     assert trainer.optimizer_sync.apply_depth == 0
     assert model not in replica_start.equalized.models
-    assert not fsdp.plans_exist()
-    assert not variables.has_sharded_variables()
+    assert not gathering.plans_exist()
+    assert not born_sharded.has_sharded_variables()
     assert (replicas.batch_weight.value, replicas.batch_weight.rows) == (1.0, None)
     assert replicas.cache.by_key == {}
     # Every state object has a clear() that uninstall calls.

@@ -33,9 +33,14 @@ Completeness and crashes (`_files`): every rank writes into
 place, so a checkpoint being written when a process died is never loaded,
 and replacing one is crash-safe at every instant.
 
-Modules: `_keys` (Keras paths to keys), `_files` (completion, replacement,
-checksums), `_dcp` (save, async_save, load, the restricted metadata reader),
-`callbacks` (ShardedCheckpoint, BackupAndRestore), `inspect` (`ktd report`).
+Modules, bottom first (a module imports only those above it):
+
+- `_errors`: the checkpoint errors.
+- `_keys`: Keras variable paths to checkpoint keys.
+- `_files`: completion, crash-safe replacement, checksums.
+- `_dcp`: save, async_save, load, the restricted metadata reader.
+- `callbacks`: ShardedCheckpoint, BackupAndRestore.
+- `inspect`: what `ktd report CHECKPOINT` prints.
 """
 
 from keras_torch_distribution.checkpoint._dcp import PendingCheckpoint

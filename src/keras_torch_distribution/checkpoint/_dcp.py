@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import staging as dcp_staging
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import runtime
+from keras_torch_distribution.distributed import runtime
 import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._keys as _keys
 from keras_torch_distribution.checkpoint._errors import CheckpointError

@@ -33,7 +33,7 @@ import zlib
 
 import torch.distributed as dist
 
-from keras_torch_distribution import runtime
+from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError

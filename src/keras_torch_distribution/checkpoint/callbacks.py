@@ -7,7 +7,7 @@ import shutil
 import keras
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import runtime
+from keras_torch_distribution.distributed import runtime
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError

@@ -7,8 +7,8 @@ a damaged checkpoint is reported as damaged (DamagedCheckpointError listing
 every damaged file and the rank that wrote it), never shown as healthy.
 
 A model variable written whole (one block) by a checkpoint of several
-processes, above `whole_variables.SHARE` of the model's bytes, is marked
-WHOLE: every rank held it whole (see `whole_variables`).
+processes, above `left_whole.SHARE` of the model's bytes, is marked
+WHOLE: every rank held it whole (see `variables.left_whole`).
 """
 
 import os
@@ -17,7 +17,7 @@ import torch
 
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
-from keras_torch_distribution import whole_variables
+from keras_torch_distribution.variables import left_whole
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._keys import MODEL_PREFIX
 
@@ -77,23 +77,23 @@ def _mark_whole(rows, num_processes):
     a checkpoint of several processes (held whole on every rank)."""
     model_rows = [r for r in rows if r["key"].startswith(MODEL_PREFIX)]
     sizes = {
-        r["key"]: whole_variables.global_bytes(r["shape"], getattr(torch, r["dtype"]))
+        r["key"]: left_whole.global_bytes(r["shape"], getattr(torch, r["dtype"]))
         for r in model_rows
     }
     total = sum(sizes.values())
     for row in model_rows:
         blocks = row["blocks"]
         one_block = len(blocks) == 1 and tuple(blocks[0]["shape"]) == tuple(row["shape"])
-        axes = whole_variables.suggested_axes(row["shape"], {"batch": num_processes}, "batch")
+        axes = left_whole.suggested_axes(row["shape"], {"batch": num_processes}, "batch")
         if (
             num_processes > 1
             and one_block
             and axes is not None
-            and sizes[row["key"]] > whole_variables.SHARE * total
+            and sizes[row["key"]] > left_whole.SHARE * total
         ):
             row["whole"] = {
                 "share": sizes[row["key"]] / total,
-                "key": whole_variables.layout_map_key(row["key"][len(MODEL_PREFIX):]),
+                "key": left_whole.layout_map_key(row["key"][len(MODEL_PREFIX):]),
                 "axes": axes,
             }
 

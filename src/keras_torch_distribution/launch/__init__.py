@@ -1,7 +1,7 @@
 """Starting processes: which launcher started this one, and starting more.
 
 - `hostlist`: SLURM node lists ("rack[1-2]-node[01-04]") expanded.
-- `variables`: the `Launch` record (what `initialize()` does here) and
+- `record`: the `Launch` record (what `initialize()` does here) and
   readers of launcher variables whose errors name them.
 - `schedulers`: one function per launcher (torchrun, SLURM, MPI, LSF,
   Kubeflow): its variables -> a Launch.

@@ -23,7 +23,7 @@ SLURM see the step of the per-node daemons):
     pet           a node launcher's PET_* variables (Kubeflow Trainer v2)
     local         nothing: one process, or one per local device
 
-Each row is one function of `schedulers`; `variables` holds the `Launch`
+Each row is one function of `schedulers`; `record` holds the `Launch`
 record and the readers. A row matches only on its full set of variables. Where a row's variables
 show a job of several processes but some are missing or disagree, it raises
 `IncompleteEnvironmentError` naming what it found, what is missing and the
@@ -37,21 +37,21 @@ KTD_SPAWN=N starts N per node where processes are started (CPU included).
 import dataclasses
 
 import keras_torch_distribution.launch.schedulers as schedulers
-from keras_torch_distribution.launch.variables import CLUSTER_VARIABLE
-from keras_torch_distribution.launch.variables import DEFAULT_PORT  # noqa: F401
-from keras_torch_distribution.launch.variables import JOIN
-from keras_torch_distribution.launch.variables import SINGLE
-from keras_torch_distribution.launch.variables import SPAWN
-from keras_torch_distribution.launch.variables import SPAWN_VARIABLE  # noqa: F401
-from keras_torch_distribution.launch.variables import IncompleteEnvironmentError  # noqa: F401
-from keras_torch_distribution.launch.variables import Launch
-from keras_torch_distribution.launch.variables import Outside
-from keras_torch_distribution.launch.variables import node_processes
-from keras_torch_distribution.launch.variables import read_local_rank_or_none
-from keras_torch_distribution.launch.variables import read_whole
-from keras_torch_distribution.launch.variables import read_port_or_none
-from keras_torch_distribution.launch.variables import shown
-from keras_torch_distribution.launch.variables import spawn_setting  # noqa: F401
+from keras_torch_distribution.launch.record import CLUSTER_VARIABLE
+from keras_torch_distribution.launch.record import DEFAULT_PORT  # noqa: F401
+from keras_torch_distribution.launch.record import JOIN
+from keras_torch_distribution.launch.record import SINGLE
+from keras_torch_distribution.launch.record import SPAWN
+from keras_torch_distribution.launch.record import SPAWN_VARIABLE  # noqa: F401
+from keras_torch_distribution.launch.record import IncompleteEnvironmentError  # noqa: F401
+from keras_torch_distribution.launch.record import Launch
+from keras_torch_distribution.launch.record import Outside
+from keras_torch_distribution.launch.record import node_processes
+from keras_torch_distribution.launch.record import read_local_rank_or_none
+from keras_torch_distribution.launch.record import read_whole
+from keras_torch_distribution.launch.record import read_port_or_none
+from keras_torch_distribution.launch.record import shown
+from keras_torch_distribution.launch.record import spawn_setting  # noqa: F401
 
 # The variables keras.distribution.initialize() reads for its arguments.
 KERAS_VARIABLES = (

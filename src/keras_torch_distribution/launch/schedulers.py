@@ -11,22 +11,22 @@ import re
 import zlib
 
 import keras_torch_distribution.launch.hostlist as hostlist
-from keras_torch_distribution.launch.variables import DEFAULT_PORT
-from keras_torch_distribution.launch.variables import SINGLE
-from keras_torch_distribution.launch.variables import SPAWN
-from keras_torch_distribution.launch.variables import SPAWN_VARIABLE
-from keras_torch_distribution.launch.variables import IncompleteEnvironmentError
-from keras_torch_distribution.launch.variables import Launch
-from keras_torch_distribution.launch.variables import join
-from keras_torch_distribution.launch.variables import node_processes
-from keras_torch_distribution.launch.variables import present
-from keras_torch_distribution.launch.variables import read_local_rank
-from keras_torch_distribution.launch.variables import read_local_rank_or_none
-from keras_torch_distribution.launch.variables import read_port
-from keras_torch_distribution.launch.variables import read_whole
-from keras_torch_distribution.launch.variables import require
-from keras_torch_distribution.launch.variables import shown
-from keras_torch_distribution.launch.variables import spawn_setting
+from keras_torch_distribution.launch.record import DEFAULT_PORT
+from keras_torch_distribution.launch.record import SINGLE
+from keras_torch_distribution.launch.record import SPAWN
+from keras_torch_distribution.launch.record import SPAWN_VARIABLE
+from keras_torch_distribution.launch.record import IncompleteEnvironmentError
+from keras_torch_distribution.launch.record import Launch
+from keras_torch_distribution.launch.record import join
+from keras_torch_distribution.launch.record import node_processes
+from keras_torch_distribution.launch.record import present
+from keras_torch_distribution.launch.record import read_local_rank
+from keras_torch_distribution.launch.record import read_local_rank_or_none
+from keras_torch_distribution.launch.record import read_port
+from keras_torch_distribution.launch.record import read_whole
+from keras_torch_distribution.launch.record import require
+from keras_torch_distribution.launch.record import shown
+from keras_torch_distribution.launch.record import spawn_setting
 
 # Ports derived from scheduler ids land in [61440, 65535], as JAX's do.
 _DERIVED_PORT_BASE, _DERIVED_PORT_SPAN = 61440, 4096

@@ -5,12 +5,12 @@ a permutation cannot be a view, the reshape copies, and autograd saves that
 copy for backward. Keras' `EinsumDense` (keras_hub's attention projections:
 "btd,dnh->btnh", "btnh,nhd->btd") then keeps a private copy of a gathered
 FSDP kernel from forward to backward, out of reach of the regathering in
-`fsdp` (which recognises views of gathered weights only): every attention
+`fsdp.gathering` (which recognises views of gathered weights only): every attention
 kernel of the model, gathered whole, alive at once between forward and
 backward (measured in `benchmarks/scale.py`: four 16 MiB copies per
 decoder block of a 2048-wide Llama).
 
-While variables are sharded on the batch axis (`fsdp.plans_exist()`),
+While variables are sharded on the batch axis (`gathering.plans_exist()`),
 Keras' torch `einsum` of two operands with an explicit output and plain
 subscripts runs as `_Einsum`: the same `torch.einsum` forward, with the two
 operands themselves saved (so a gathered kernel is a view that the
@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_torch_distribution import fsdp
-from keras_torch_distribution import sharding_rules
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.distributed import sharding_rules
 
 # torch.einsum's label order: upper case first.
 _LABELS = string.ascii_uppercase + string.ascii_lowercase
@@ -237,7 +237,7 @@ def einsum(original, subscripts, *operands, **kwargs):
 def _einsum(original, subscripts, *operands, **kwargs):
     dtensors = _REORDER_SHARDED_DIMS and any(isinstance(x, DTensor) for x in operands)
     if (
-        not (fsdp.plans_exist() or dtensors)
+        not (gathering.plans_exist() or dtensors)
         or len(operands) != 2
         or kwargs
         or not isinstance(subscripts, str)

@@ -15,14 +15,14 @@ instead: the same forward, and a backward that adds the output's gradient
 rows straight into the reduce-scatter's buffer (`index_add_`, as autograd's
 own embedding backward does) and reduce-scatters it to the weight's shard.
 The dense gradient is never made. Any other use of the gathered value keeps
-its own gradient path (`fsdp_groups._GroupGather`); autograd sums both.
+its own gradient path (`groups._GroupGather`); autograd sums both.
 """
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from keras_torch_distribution import flat_shards
+from keras_torch_distribution.fsdp import flat_shards
 
 
 def eligible(layout, shapes):
@@ -38,7 +38,7 @@ class Lookup:
     """What a lookup of one gathered weight needs for its gradient."""
 
     def __init__(self, bucket, shard, factor):
-        self.bucket = bucket  # fsdp_groups._Bucket: layout, group, dtype
+        self.bucket = bucket  # groups._Bucket: layout, group, dtype
         self.shard = shard  # this rank's local shard (autograd leads to it)
         self.factor = factor  # this rank's gradient scale before the sum
 

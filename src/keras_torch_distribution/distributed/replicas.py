@@ -7,7 +7,7 @@ all-reduce over the batch process group.
 
 The batch axis is always data, as on JAX, also when variables are sharded
 on it (Keras' ModelParallel on a 1-D "model" mesh uses its only axis for
-both): those variables are FSDP (`fsdp.py`), gathered along the batch axis
+both): those variables are FSDP (`fsdp.gathering`), gathered along the batch axis
 for use, while each replica computes on its own rows.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import layouts
-from keras_torch_distribution import runtime
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.distributed import runtime
 
 
 @dataclass(frozen=True)

@@ -18,20 +18,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import agreement
-from keras_torch_distribution import boundary
-from keras_torch_distribution import collectives
-from keras_torch_distribution import gradients
-from keras_torch_distribution import metric_states
-from keras_torch_distribution import overlap
-from keras_torch_distribution import replicas
-from keras_torch_distribution import runtime
+from keras_torch_distribution.distributed import agreement
+from keras_torch_distribution.training import boundary
+from keras_torch_distribution.distributed import collectives
+from keras_torch_distribution.training import gradients
+from keras_torch_distribution.training import metric_states
+from keras_torch_distribution.training import overlap
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution import saving
-from keras_torch_distribution import stopping
-from keras_torch_distribution import tensors
-from keras_torch_distribution import variables
-from keras_torch_distribution import variables as ktd_variables
-from keras_torch_distribution import whole_variables
+from keras_torch_distribution.distributed import stopping
+from keras_torch_distribution.distributed import tensors
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.variables import born_sharded
+from keras_torch_distribution.variables import left_whole
 
 class OptimizerSync:
     """What gradient synchronisation keeps between and within steps."""
@@ -99,7 +99,7 @@ def _synchronize(optimizer, grads, variables_, group):
         return
     # Gradients of variables sharded on the batch axis (FSDP) arrive
     # reduce-scattered and averaged by their gather's backward.
-    replicated = [variables.gather_plan(v) is None for v in variables_]
+    replicated = [gathering.gather_plan(v) is None for v in variables_]
     local = [
         tensors.local_part(g)
         for g, keep in zip(grads, replicated)
@@ -142,7 +142,7 @@ def _overlapped_reducer(optimizer, variables, group):
         del reducers[optimizer]
     if any(isinstance(p, DTensor) or not p.requires_grad for p in params):
         return None
-    if ktd_variables.has_sharded_variables():
+    if born_sharded.has_sharded_variables():
         # Plain variables beside sharded ones (LoRA adapters on sharded
         # kernels) get DTensor gradients, which the synchronous path aligns
         # to their variables before averaging.
@@ -218,13 +218,13 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
     """fit / evaluate / predict print progress, and file-writing callbacks
     write, on rank 0 only. Variables created before the distribution was
     set, that it would shard, get one warning each, and so do large
-    variables the layout map leaves whole (`whole_variables`). Ranks that
+    variables the layout map leaves whole (`variables.left_whole`). Ranks that
     disagree on the call (model, distribution, input sizes) raise, naming
     the difference. Collective: call on every rank."""
     agreement.check(original.__name__, model, args, kwargs)
     distribution = _keras.current_distribution()
-    variables.warn_if_created_outside(model.variables, distribution)
-    whole_variables.warn_if_left_whole(model.variables, distribution)
+    born_sharded.warn_if_created_outside(model.variables, distribution)
+    left_whole.warn_if_left_whole(model.variables, distribution)
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
         kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))

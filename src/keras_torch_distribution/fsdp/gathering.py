@@ -21,7 +21,7 @@ trainer leaves it alone. Outside layer calls (the optimizer, saving, user
 code) a variable is its stored sharded DTensor, whose global value is the
 model's.
 
-Inside a layer call that is an FSDP group (`fsdp_groups`), variables are
+Inside a layer call that is an FSDP group (`fsdp.groups`), variables are
 not gathered one by one: the group's variables come from one flat
 all-gather, their gradients go back in one flat reduce-scatter. The
 per-variable path here serves the rest (variables read outside a group,
@@ -46,10 +46,10 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import _env
-from keras_torch_distribution import replicas
-from keras_torch_distribution import runtime
-from keras_torch_distribution import layouts
-from keras_torch_distribution import tensors
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.distributed import tensors
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class GatherPlan:
     dim: int  # the dim the batch axis shards
     # Only Shard and Replicate placements, and no other axis shards `dim`:
     # the local shard is a `torch.chunk` piece of the gathered local
-    # tensor, so it can travel in a group's flat all-gather (fsdp_groups).
+    # tensor, so it can travel in a group's flat all-gather (fsdp.groups).
     groupable: bool
 
     @property
@@ -121,7 +121,7 @@ class FsdpState:
         # axis: until then layer calls skip the regathering hooks.
         self.plans_exist = False
         self.regatherer = None
-        # The group calls in progress (fsdp_groups), innermost last: a
+        # The group calls in progress (fsdp.groups), innermost last: a
         # variable read inside one takes its value from the group's gather.
         self.groups = []
 
@@ -186,7 +186,7 @@ class _ReplicaWeight(torch.autograd.Function):
 class _LowGatherFullReduce(torch.autograd.Function):
     """Mixed precision as FSDP2's MixedPrecisionPolicy(param_dtype=dtype,
     reduce_dtype=the stored dtype), the policy of the grouped path too
-    (`fsdp_groups`): the stored shard (float32) is cast to `dtype` (Keras'
+    (`fsdp.groups`): the stored shard (float32) is cast to `dtype` (Keras'
     autocast: bfloat16) and all-gathered in it; the gradient (in `dtype`)
     is cast back, scaled by this replica's weight and reduce-scattered in
     the stored dtype. Keras' own autocast before a DTensor gather would
@@ -223,7 +223,7 @@ class _Regatherer:
     autograd's order).
 
     What a token is gathered from is its source: a group's flat gather
-    (`fsdp_groups`, one collective for the whole group, kept until the
+    (`fsdp.groups`, one collective for the whole group, kept until the
     group's gradients are reduce-scattered) or one variable's DTensor
     redistribute (`_VariableSource`). Sources that backward will gather
     again (a token was packed) are kept in the order of the forward; when
@@ -384,7 +384,7 @@ def regathering_in_backward():
 def gather_for_use(stored, plan, variable=None, raw=None):
     """`stored` (a variable's value, after Keras' autocast) gathered along
     the batch axis: from the flat gather of a group in progress that holds
-    `variable` (see `fsdp_groups`), else on its own (see GatherPlan.gather;
+    `variable` (see `fsdp.groups`), else on its own (see GatherPlan.gather;
     `raw`: the variable's stored value before autocast, for mixed
     precision's full-precision gradient reduction), noted for regathering
     in backward when a training forward is in progress. Collective: call on
@@ -402,3 +402,8 @@ def gather_for_use(stored, plan, variable=None, raw=None):
             source = _VariableSource(stored, plan)
         regatherer.register(view, source)
     return view
+
+
+def gather_plan(variable):
+    """The FSDP GatherPlan of a variable sharded on the batch axis, else None."""
+    return getattr(variable, "_ktd_gather", None)

@@ -22,9 +22,9 @@ import torch
 import torch.distributed
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import replicas
-from keras_torch_distribution import runtime
-from keras_torch_distribution import stopping
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution.distributed import stopping
 from keras_torch_distribution.log import warn_once
 
 

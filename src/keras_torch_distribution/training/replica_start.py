@@ -25,10 +25,10 @@ predictions of every replica gathered by `trainer`).
 import weakref
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import compiled
-from keras_torch_distribution import copies
-from keras_torch_distribution import runtime
-from keras_torch_distribution import trainer
+from keras_torch_distribution.training import compiled
+from keras_torch_distribution.variables import copies
+from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution.training import trainer
 from keras_torch_distribution.log import logger
 
 

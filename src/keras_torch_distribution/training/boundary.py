@@ -17,12 +17,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import copies
-from keras_torch_distribution import fsdp
-from keras_torch_distribution import fsdp_groups
-from keras_torch_distribution import layouts
-from keras_torch_distribution import tensors
-from keras_torch_distribution import variables
+from keras_torch_distribution.variables import copies
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.fsdp import groups
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.distributed import tensors
+from keras_torch_distribution.variables import born_sharded
 
 class ActiveForward:
     """While a compiled step of `model` runs, its outermost calls go
@@ -50,8 +50,8 @@ def layer_call(original, layer, *args, **kwargs):
     outermost call returns, the copies of the variables it created (a
     model's build) are made equal across processes (`copies`)."""
     if not _keras.in_outer_call():
-        if fsdp.plans_exist() and not torch.compiler.is_compiling():
-            with fsdp_groups.group_scope(layer):
+        if gathering.plans_exist() and not torch.compiler.is_compiling():
+            with groups.group_scope(layer):
                 return convert_outputs(original, layer, False, *args, **kwargs)
         return convert_outputs(original, layer, False, *args, **kwargs)
     with copies.equal_when_built():
@@ -62,10 +62,10 @@ def _outermost_call(original, layer, *args, **kwargs):
     args, kwargs = _plain_inputs(args, kwargs)
     if active_forward.model is layer and not torch.compiler.is_compiling():
         return active_forward.forward(original, layer, *args, **kwargs)
-    if fsdp.plans_exist():
-        with fsdp.regathering_in_backward(), fsdp_groups.forward_scope(
+    if gathering.plans_exist():
+        with gathering.regathering_in_backward(), groups.forward_scope(
             layer
-        ), fsdp_groups.group_scope(layer):
+        ), groups.group_scope(layer):
             return convert_outputs(original, layer, True, *args, **kwargs)
     return convert_outputs(original, layer, True, *args, **kwargs)
 
@@ -83,7 +83,7 @@ def _plain_inputs(args, kwargs):
 def convert_outputs(original, layer, outermost, *args, **kwargs):
     """Call the layer; reduce partial sums, or, for an outermost call,
     return plain tensors."""
-    if not variables.has_sharded_variables():
+    if not born_sharded.has_sharded_variables():
         return original(layer, *args, **kwargs)
     try:
         outputs = original(layer, *args, **kwargs)
@@ -137,7 +137,7 @@ def plain_losses(original, layer):
     (partial sums reduced), as model outputs are, so the total loss is
     plain. Collective for DTensor losses: call on every rank."""
     losses = original(layer)
-    if not variables.has_sharded_variables():
+    if not born_sharded.has_sharded_variables():
         return losses
     return [plain(loss) for loss in losses]
 

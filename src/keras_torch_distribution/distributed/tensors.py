@@ -17,9 +17,9 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import layouts
-from keras_torch_distribution import runtime
-from keras_torch_distribution import sharding_rules
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution.distributed import sharding_rules
 
 
 def as_torch(value, dtype=None, device=None):

@@ -27,9 +27,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import data
-from keras_torch_distribution import replicas
-from keras_torch_distribution import tensors
+from keras_torch_distribution.batch import adapter
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import tensors
 
 
 def moments(original, layer, inputs, mask):
@@ -46,7 +46,7 @@ def moments(original, layer, inputs, mask):
         return original(layer, inputs, mask)
     axes = tuple(_keras.batch_norm_reduction_axes(layer))
     # rows here * replicas / global rows (1.0 but for a last, uneven batch)
-    scale = data.batch_scale()
+    scale = adapter.batch_scale()
     if mask is None:
         return _moments(inputs, axes, group.group, scale)
     return _masked_moments(inputs, mask, axes, group.group, scale)

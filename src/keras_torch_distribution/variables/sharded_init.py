@@ -20,7 +20,7 @@ import math
 import torch
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import layouts
+from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.log import warn_once
 
 CHUNK_DRAWS = 1 << 20

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_torch_distribution import runtime
+from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import warn_once
 
 class TorchMeshCache:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import boundary
+from keras_torch_distribution.training import boundary
 from keras_torch_distribution.log import first_line
 from keras_torch_distribution.log import innermost
 from keras_torch_distribution.log import warn_once

@@ -16,7 +16,7 @@ Which draws, replacing Keras' torch backend functions through the seam:
   through `normal`) with a `SeedGenerator` or no seed (Keras' global
   SeedGenerator); int seeds (initializers) are left alone.
 
-Where the global batch comes from: `data.batch_rows()`, (global rows, first
+Where the global batch comes from: `adapter.batch_rows()`, (global rows, first
 row, rows) of the batch fit / evaluate / predict fed this replica. A draw is
 sliced when its dim 0 is that many rows; any other draw (and every draw of a
 direct model call, whose rows are the whole batch) is the one-process draw.
@@ -43,16 +43,16 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import data
-from keras_torch_distribution import layouts
-from keras_torch_distribution import sharded_init
-from keras_torch_distribution import tensors
+from keras_torch_distribution.batch import adapter
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.variables import sharded_init
+from keras_torch_distribution.distributed import tensors
 
 
 def _batch_window(rows):
     """(global rows, first row) when a tensor of `rows` rows is this
     replica's part of a bigger global batch; None otherwise."""
-    window = data.batch_rows()
+    window = adapter.batch_rows()
     if window is None:
         return None
     global_rows, first, count = window
@@ -116,7 +116,7 @@ def dropout(original, inputs, rate, noise_shape=None, seed=None):
         or inputs.ndim == 0
         # Neither fed rows nor a sharded activation (one process, direct
         # calls): Keras' draw, and no graph break under torch.compile.
-        or (data.batch_rows() is None and not isinstance(inputs, DTensor))
+        or (adapter.batch_rows() is None and not isinstance(inputs, DTensor))
     ):
         return original(inputs, rate, noise_shape=noise_shape, seed=seed)
     mask = _dropout_mask(inputs, rate, noise_shape, seed)
@@ -203,7 +203,7 @@ def _dropout_mask(inputs, rate, noise_shape, seed):
 
 def normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
     """Keras' torch `normal`; this replica's rows of a batch-shaped draw."""
-    if data.batch_rows() is None:
+    if adapter.batch_rows() is None:
         return original(shape, mean=mean, stddev=stddev, dtype=dtype, seed=seed)
     block = _seeded_rows(
         shape,
@@ -218,7 +218,7 @@ def normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
 
 def uniform(original, shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
     """Keras' torch `uniform`; this replica's rows of a batch-shaped draw."""
-    if data.batch_rows() is None:
+    if adapter.batch_rows() is None:
         return original(shape, minval=minval, maxval=maxval, dtype=dtype, seed=seed)
     block = _seeded_rows(
         shape,
@@ -233,7 +233,7 @@ def uniform(original, shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
 
 def randint(original, shape, minval, maxval, dtype="int32", seed=None):
     """Keras' torch `randint`; this replica's rows of a batch-shaped draw."""
-    if data.batch_rows() is None:
+    if adapter.batch_rows() is None:
         return original(shape, minval, maxval, dtype=dtype, seed=seed)
     block = _seeded_rows(
         shape,

@@ -9,7 +9,7 @@ made whole), then averaged over the batch process group in flat buckets
 
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution import tensors
+from keras_torch_distribution.distributed import tensors
 
 
 def align(grad, value):

@@ -28,8 +28,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import boundary
-from keras_torch_distribution import collectives
+from keras_torch_distribution.training import boundary
+from keras_torch_distribution.distributed import collectives
 
 
 class FoldState:

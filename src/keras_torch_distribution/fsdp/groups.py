@@ -1,7 +1,7 @@
 """FSDP by group: one flat all-gather per group of variables, prefetched.
 
 A group is the unit FSDP2 wraps with `fully_shard`: its variables sharded
-on the batch axis (see `fsdp`) travel together. Under KTD_FSDP_GROUP=block
+on the batch axis (see `fsdp.gathering`) travel together. Under KTD_FSDP_GROUP=block
 (the default) a group is an outermost layer below the models that holds
 FSDP variables: each decoder block of a keras_hub backbone (whose layers
 the backbone, a functional model, calls), the token embedding, each Dense
@@ -13,10 +13,10 @@ Per call of a group, on the first read of one of its variables:
   forward   one flat all-gather (`flat_shards.FlatGather`) of the group's
             shards; each variable's value is copied out of it. The gathers
             of the next KTD_FSDP_PREFETCH groups (default 1 on CUDA, 0 on
-            CPU: see `fsdp.prefetch_depth`) of the order
+            CPU: see `gathering.prefetch_depth`) of the order
             recorded in the last forward are started before this group
             computes, and waited for just before they are used.
-  backward  the regatherer (`fsdp._Regatherer`) gathers the group again,
+  backward  the regatherer (`gathering._Regatherer`) gathers the group again,
             once, when autograd first unpacks a saved weight of it, and
             starts the regather of the group backward needs next. The last
             group of the forward keeps its gathered weights for backward
@@ -47,7 +47,7 @@ gathered in takes the per-variable gather (exact) and the bucket goes back
 to the stored dtype.
 Variables that cannot travel flat (a dim sharded on the batch axis and on
 another axis) and variables read outside a group keep the per-variable
-DTensor gather of `fsdp`. Under torch.compile no group is formed: the
+DTensor gather of `fsdp.gathering`. Under torch.compile no group is formed: the
 compiled forward has the per-variable gathers as functional collectives.
 """
 
@@ -60,12 +60,11 @@ from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
-from keras_torch_distribution import flat_shards
-from keras_torch_distribution import fsdp
-from keras_torch_distribution import lookup_gradients
-from keras_torch_distribution import replicas
-from keras_torch_distribution import tensors
-from keras_torch_distribution import variables
+from keras_torch_distribution.fsdp import flat_shards
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.fsdp import lookup_gradients
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import tensors
 
 
 class GroupsState:
@@ -186,7 +185,7 @@ def spec_for(layer, policy):
         return cached[2]
     members, seen = [], set()
     for variable in candidates:
-        plan = variables.gather_plan(variable)
+        plan = gathering.gather_plan(variable)
         value = _keras.raw_value(variable)
         if (
             plan is None
@@ -330,7 +329,7 @@ class _GroupCall:
                 if not self.values and state.forward is not None:
                     state.forward.note(self.layer)
                 bucket = self.spec.buckets[where[0]]
-                self._take(where[0], bucket, bucket.start_gather(), fsdp.state.regatherer)
+                self._take(where[0], bucket, bucket.start_gather(), gathering.state.regatherer)
         elif not self.values:  # a group not split gathers every bucket at once
             self._gather()
         bucket = self.spec.buckets[where[0]]
@@ -348,7 +347,7 @@ class _GroupCall:
             cast = self.casts[(where, dtype)] = value.to(dtype)
             if id(value) in self.lookups:
                 self.lookups[id(cast)] = (cast, self.lookups[id(value)][1])
-            regatherer = fsdp.state.regatherer
+            regatherer = gathering.state.regatherer
             if regatherer is not None and not self.keep and cast.requires_grad:
                 regatherer.register(cast, self.sources[where[0]], (where[1], dtype))
         return cast
@@ -360,7 +359,7 @@ class _GroupCall:
             flats = self.spec.start_gathers()
         if forward is not None:
             self.keep = forward.is_last(self.layer)
-        regatherer = None if self.keep else fsdp.state.regatherer
+        regatherer = None if self.keep else gathering.state.regatherer
         for b, (bucket, flat) in enumerate(zip(self.spec.buckets, flats)):
             self._take(b, bucket, flat, regatherer)
         if forward is not None:
@@ -484,7 +483,7 @@ def forward_scope(root):
     if state.forward is not None or torch.compiler.is_compiling():
         yield
         return
-    order = _ForwardOrder(state.orders.get(root), fsdp.prefetch_depth(), _env.fsdp_group())
+    order = _ForwardOrder(state.orders.get(root), gathering.prefetch_depth(), _env.fsdp_group())
     state.forward = order
     try:
         yield
@@ -503,7 +502,7 @@ def group_scope(layer):
         yield
         return
     policy = state.forward.policy if state.forward is not None else _env.fsdp_group()
-    if policy == "block" and (fsdp.state.groups or isinstance(layer, keras.Model)):
+    if policy == "block" and (gathering.state.groups or isinstance(layer, keras.Model)):
         yield
         return
     if state.forward is not None and state.forward.has_seen(layer):
@@ -513,10 +512,10 @@ def group_scope(layer):
         yield
         return
     call = _GroupCall(layer, spec)
-    fsdp.state.groups.append(call)
+    gathering.state.groups.append(call)
     lookups = lookup_gradients.lookups(call.lookups) if spec.has_lookups else None
     try:
         with lookups or contextlib.nullcontext():
             yield
     finally:
-        fsdp.state.groups.pop()
+        gathering.state.groups.pop()

@@ -16,8 +16,8 @@ what was launched; the caller then averages the gradients synchronously.
 
 import torch
 
-from keras_torch_distribution import collectives
-from keras_torch_distribution import replicas
+from keras_torch_distribution.distributed import collectives
+from keras_torch_distribution.distributed import replicas
 
 
 class OverlappedReducer:

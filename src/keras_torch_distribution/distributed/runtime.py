@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
-from keras_torch_distribution import seeds
+from keras_torch_distribution.distributed import seeds
 from keras_torch_distribution.launch import environments
 from keras_torch_distribution.launch import spawn
 from keras_torch_distribution.log import logger

@@ -24,7 +24,7 @@ import re
 import torch
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import variables as ktd_variables
+from keras_torch_distribution.variables import born_sharded
 from keras_torch_distribution.log import warn_once
 
 # A whole variable above this share of the model's bytes is worth a warning.
@@ -83,7 +83,7 @@ def left_whole(model_variables, distribution):
             or _keras.raw_value(variable) is None
         ):
             continue
-        nbytes = ktd_variables.local_bytes(variable)
+        nbytes = born_sharded.local_bytes(variable)
         axes = suggested_axes(variable.shape, mesh_axes, distribution.batch_dim_name)
         if nbytes <= SHARE * total or axes is None:
             continue

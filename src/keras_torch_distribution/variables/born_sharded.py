@@ -17,11 +17,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import copies
-from keras_torch_distribution import fsdp
-from keras_torch_distribution import layouts
-from keras_torch_distribution import sharded_init
-from keras_torch_distribution import tensors
+from keras_torch_distribution.variables import copies
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.variables import sharded_init
+from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.log import warn_once
 
 class VariablesState:
@@ -100,25 +100,20 @@ def sharded_layout(variable):
     variable._ktd_distributed = distribution is not None
     variable._ktd_gather = None
     if torch_layout is not None and distribution is not None:
-        variable._ktd_gather = fsdp.plan_for(
+        variable._ktd_gather = gathering.plan_for(
             torch_layout, variable.shape, distribution.batch_dim_name
         )
     return torch_layout
 
 
-def gather_plan(variable):
-    """The FSDP GatherPlan of a variable sharded on the batch axis, else None."""
-    return getattr(variable, "_ktd_gather", None)
-
-
 def value_for_use(original, variable, value):
     """Keras `Variable._maybe_autocast`, which every read of a variable's
     value goes through: inside a layer call, a variable sharded on the batch
-    axis is gathered along it for use (see `fsdp`), after Keras' autocast
+    axis is gathered along it for use (see `fsdp.gathering`), after Keras' autocast
     (so mixed precision gathers in the compute dtype). Outside layer calls,
     and while Keras traces shapes on the meta device, the stored value.
     Under mixed precision the gather carries the compute dtype and the
-    gradient is reduced in the stored one (see `fsdp`)."""
+    gradient is reduced in the stored one (see `fsdp.gathering`)."""
     raw, value = value, original(variable, value)
     plan = variable.__dict__.get("_ktd_gather")
     if (
@@ -129,7 +124,7 @@ def value_for_use(original, variable, value):
         or str(_keras.torch_device()) == "meta"
     ):
         return value
-    return fsdp.gather_for_use(value, plan, variable, raw)
+    return gathering.gather_for_use(value, plan, variable, raw)
 
 
 def warn_if_created_outside(variables, distribution):

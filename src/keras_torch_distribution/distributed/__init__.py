@@ -1,0 +1,25 @@
+"""Processes, meshes and DTensors: the parts that know torch, not models.
+
+Modules, bottom first (a module imports only those above it):
+
+- `seeds`: every process agrees on seeds.
+- `runtime`: torch.distributed's process group (started once), devices, rank
+  and world.
+- `sharding_rules`: DTensor rules torch lacks or gets wrong; `uninstall()`
+  gives torch its own back.
+- `layouts`: Keras `DeviceMesh` / `TensorLayout` onto torch meshes and
+  placements.
+- `tensors`: plain tensors to and from DTensors of a layout.
+- `collectives`: the one bucketed flat collective (gradient averages, metric
+  sums, broadcasts).
+- `stopping`: ranks that stop training or run out of input stop together.
+- `collective_counts`: counting a step's collectives (tests, benchmarks,
+  `ktd plan`).
+- `replicas`: the batch axis: replicas, their process group, the current
+  batch's weight.
+- `agreement`: ranks agree before they train; one small all-gather names
+  what differs.
+
+Nothing is re-exported: importing the package imports none of them.
+
+"""
