@@ -43,17 +43,26 @@ def launch(script, case, nproc, timeout=150.0, extra_env=None):
     env["BENCH_WORKER"] = case
     env["BENCH_OUT"] = out
     command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
         script,
     ]
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     process = subprocess.Popen(
-        command, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -79,9 +88,11 @@ def launch(script, case, nproc, timeout=150.0, extra_env=None):
         results.append(result)
         os.remove(os.path.join(out, f"rank{rank}.json"))
     os.rmdir(out)
-    print(f"  [{case} x{nproc}: {time.monotonic() - started:.1f} s wall, "
-          f"load avg {load_before:.1f} -> {os.getloadavg()[0]:.1f}]",
-          flush=True)
+    print(
+        f"  [{case} x{nproc}: {time.monotonic() - started:.1f} s wall, "
+        f"load avg {load_before:.1f} -> {os.getloadavg()[0]:.1f}]",
+        flush=True,
+    )
     return results
 
 

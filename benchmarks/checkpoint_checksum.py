@@ -63,7 +63,10 @@ def worker(case):
     keras.utils.set_random_seed(0)
     model = _build(keras, width, layers)
     directory = os.environ["BENCH_CHECKPOINT"]
-    paths = {True: os.path.join(directory, "with"), False: os.path.join(directory, "without")}
+    paths = {
+        True: os.path.join(directory, "with"),
+        False: os.path.join(directory, "without"),
+    }
     repeats = int(os.environ["BENCH_REPEATS"])
 
     def timed(call):
@@ -81,7 +84,12 @@ def worker(case):
         finally:
             _dcp.CHECKSUMS_ON_SAVE = True
 
-    times = {"save_with": [], "save_without": [], "load_with": [], "load_without": []}
+    times = {
+        "save_with": [],
+        "save_without": [],
+        "load_with": [],
+        "load_without": [],
+    }
     for flag in (True, False):  # warm-up: first writes, imports, page cache
         save(flag)
         checkpoint.load(model, paths[flag])
@@ -96,16 +104,18 @@ def worker(case):
                 timed(lambda: checkpoint.load(model, paths[flag]))
             )
     marker = checkpoint.read_marker(paths[True])
-    _launch.write_rank_result({
-        "rank": rank,
-        "width": width,
-        "layers": layers,
-        "full_model_bytes": full_bytes,
-        "files": marker["files"],
-        "times_s": times,
-        "crc32_MiB_per_s": _crc32_mib_per_s(),
-        "keras": keras.__version__,
-    })
+    _launch.write_rank_result(
+        {
+            "rank": rank,
+            "width": width,
+            "layers": layers,
+            "full_model_bytes": full_bytes,
+            "files": marker["files"],
+            "times_s": times,
+            "crc32_MiB_per_s": _crc32_mib_per_s(),
+            "keras": keras.__version__,
+        }
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -117,13 +127,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     full = args.layers * (args.width * args.width + args.width) * 4
-    print(f"checkpoint checksums: {args.layers} x Dense({args.width}), "
-          f"{full / 2**20:.1f} MiB float32, 2 processes, {args.repeats} repeats",
-          flush=True)
+    print(
+        f"checkpoint checksums: {args.layers} x Dense({args.width}), "
+        f"{full / 2**20:.1f} MiB float32, 2 processes, {args.repeats} repeats",
+        flush=True,
+    )
     directory = tempfile.mkdtemp(prefix="ktd-checksum-bench-")
     try:
         ranks = _launch.launch(
-            os.path.abspath(__file__), "checksums", 2, timeout=600,
+            os.path.abspath(__file__),
+            "checksums",
+            2,
+            timeout=600,
             extra_env={
                 "BENCH_WIDTH": str(args.width),
                 "BENCH_LAYERS": str(args.layers),
@@ -134,32 +149,45 @@ def main():
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     times = ranks[0]["times_s"]  # every rank holds the slower rank's times
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = {
+        name: statistics.median(values) for name, values in times.items()
+    }
     save_ratio = medians["save_with"] / medians["save_without"]
     load_ratio = medians["load_with"] / medians["load_without"]
     print(f"{'':16} {'with (s)':>10} {'without (s)':>12} {'ratio':>7}")
     for what, ratio in (("save", save_ratio), ("load", load_ratio)):
-        print(f"{what + ' median':16} {medians[what + '_with']:>10.3f} "
-              f"{medians[what + '_without']:>12.3f} {ratio:>7.3f}")
+        print(
+            f"{what + ' median':16} {medians[what + '_with']:>10.3f} "
+            f"{medians[what + '_without']:>12.3f} {ratio:>7.3f}"
+        )
     crc = ranks[0]["crc32_MiB_per_s"]
     print(f"zlib.crc32: {crc:,.0f} MiB/s on one thread")
-    _launch.save("checkpoint_checksum", {
-        "benchmark": "checkpoint_checksum",
-        "machine": dict(_launch.machine(), keras=ranks[0]["keras"]),
-        "model": {"layers": args.layers, "width": args.width, "full_model_bytes": full},
-        "measure": "wall time of checkpoint.save / checkpoint.load, the slower "
-                   "rank's, median of the repeats; 'without' = "
-                   "_dcp.CHECKSUMS_ON_SAVE False (nothing recorded, so "
-                   "nothing verified on load)",
-        "median_s": medians,
-        "save_ratio_with_over_without": save_ratio,
-        "load_ratio_with_over_without": load_ratio,
-        "save_cost_ms": 1e3 * (medians["save_with"] - medians["save_without"]),
-        "load_cost_ms": 1e3 * (medians["load_with"] - medians["load_without"]),
-        "crc32_MiB_per_s": crc,
-        "files": ranks[0]["files"],
-        "ranks": ranks,
-    })
+    _launch.save(
+        "checkpoint_checksum",
+        {
+            "benchmark": "checkpoint_checksum",
+            "machine": dict(_launch.machine(), keras=ranks[0]["keras"]),
+            "model": {
+                "layers": args.layers,
+                "width": args.width,
+                "full_model_bytes": full,
+            },
+            "measure": "wall time of checkpoint.save / checkpoint.load, the slower "
+            "rank's, median of the repeats; 'without' = "
+            "_dcp.CHECKSUMS_ON_SAVE False (nothing recorded, so "
+            "nothing verified on load)",
+            "median_s": medians,
+            "save_ratio_with_over_without": save_ratio,
+            "load_ratio_with_over_without": load_ratio,
+            "save_cost_ms": 1e3
+            * (medians["save_with"] - medians["save_without"]),
+            "load_cost_ms": 1e3
+            * (medians["load_with"] - medians["load_without"]),
+            "crc32_MiB_per_s": crc,
+            "files": ranks[0]["files"],
+            "ranks": ranks,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from creation_memory import _layouts  # noqa: E402
 from creation_memory import _set_model_parallel  # noqa: E402
 from creation_memory import _start_worker  # noqa: E402
 
-
 TOLERANCE = 0.02
 
 
@@ -121,8 +120,11 @@ def main():
     args = parser.parse_args()
     full = args.layers * (args.width * args.width + args.width) * 4
     largest = args.width * args.width * 4
-    print(f"checkpoint memory: {args.layers} x Dense({args.width}), "
-          f"{full / 2**30:.3f} GiB float32, 2 processes", flush=True)
+    print(
+        f"checkpoint memory: {args.layers} x Dense({args.width}), "
+        f"{full / 2**30:.3f} GiB float32, 2 processes",
+        flush=True,
+    )
     directory = tempfile.mkdtemp(prefix="ktd-ckpt-bench-")
     try:
         env = {
@@ -131,8 +133,9 @@ def main():
             "BENCH_CHECKPOINT": os.path.join(directory, "ckpt"),
         }
         runs = {
-            case: _launch.launch(os.path.abspath(__file__), case, 2, timeout=300,
-                                 extra_env=env)
+            case: _launch.launch(
+                os.path.abspath(__file__), case, 2, timeout=300, extra_env=env
+            )
             for case in ("save", "load")
         }
         files = os.listdir(os.path.join(directory, "ckpt"))
@@ -149,34 +152,49 @@ def main():
     # shard alone measures about 0.511 of the model here).
     target = 0.5 + largest / full + TOLERANCE
     worst = max(r["ratio_peak"] for ranks in runs.values() for r in ranks)
-    print(f"{'case':6} {'rank':>4} {'peak-base/model':>16} {'shard/model':>12} "
-          f"{'transient MiB':>14} {'local MiB':>10} {'sec':>6}")
+    print(
+        f"{'case':6} {'rank':>4} {'peak-base/model':>16} {'shard/model':>12} "
+        f"{'transient MiB':>14} {'local MiB':>10} {'sec':>6}"
+    )
     for case, ranks in runs.items():
         for r in ranks:
-            print(f"{case:6} {r['rank']:>4} {r['ratio_peak']:>16.3f} "
-                  f"{r['ratio_shard']:>12.3f} {r['transient_MiB']:>14.1f} "
-                  f"{r['local_weight_bytes'] / 2**20:>10.1f} {r['seconds']:>6.2f}")
-    print(f"files: { {k: round(v / 2**20, 1) for k, v in file_bytes.items()} } MiB")
-    print(f"worst peak ratio {worst:.3f} (target <= {target:.3f}: half the model "
-          f"plus its largest variable, +{TOLERANCE}); loaded sums equal saved: "
-          f"{exact}")
+            print(
+                f"{case:6} {r['rank']:>4} {r['ratio_peak']:>16.3f} "
+                f"{r['ratio_shard']:>12.3f} {r['transient_MiB']:>14.1f} "
+                f"{r['local_weight_bytes'] / 2**20:>10.1f} {r['seconds']:>6.2f}"
+            )
+    print(
+        f"files: { {k: round(v / 2**20, 1) for k, v in file_bytes.items()} } MiB"
+    )
+    print(
+        f"worst peak ratio {worst:.3f} (target <= {target:.3f}: half the model "
+        f"plus its largest variable, +{TOLERANCE}); loaded sums equal saved: "
+        f"{exact}"
+    )
     for ranks in runs.values():
         for r in ranks:
             r.pop("sums")
-    _launch.save("checkpoint_memory", {
-        "benchmark": "checkpoint_memory",
-        "machine": dict(_launch.machine(), keras=runs["save"][0]["keras"]),
-        "model": {"layers": args.layers, "width": args.width, "full_model_bytes": full},
-        "measure": "per rank: (peak RSS, psutil sampled every 0.5 ms, during "
-                   "creation + save/load) - (RSS before creation), over full "
-                   "model bytes; transient: peak - RSS just before save/load",
-        "target_ratio": target,
-        "worst_ratio": worst,
-        "meets_target": worst <= target,
-        "loaded_equals_saved": exact,
-        "file_bytes": file_bytes,
-        "ranks": runs,
-    })
+    _launch.save(
+        "checkpoint_memory",
+        {
+            "benchmark": "checkpoint_memory",
+            "machine": dict(_launch.machine(), keras=runs["save"][0]["keras"]),
+            "model": {
+                "layers": args.layers,
+                "width": args.width,
+                "full_model_bytes": full,
+            },
+            "measure": "per rank: (peak RSS, psutil sampled every 0.5 ms, during "
+            "creation + save/load) - (RSS before creation), over full "
+            "model bytes; transient: peak - RSS just before save/load",
+            "target_ratio": target,
+            "worst_ratio": worst,
+            "meets_target": worst <= target,
+            "loaded_equals_saved": exact,
+            "file_bytes": file_bytes,
+            "ranks": runs,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -47,23 +47,29 @@ def _arrays(shape_x, shape_y, seed=0):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal(shape_x).astype("float32"),
-            rng.standard_normal(shape_y).astype("float32"))
+    return (
+        rng.standard_normal(shape_x).astype("float32"),
+        rng.standard_normal(shape_y).astype("float32"),
+    )
 
 
 def _keras_mlp(keras):
     inputs = keras.Input(shape=(WIDTH,))
     h = inputs
     for i in range(LAYERS):
-        h = keras.layers.Dense(WIDTH, activation=None if i == LAYERS - 1 else "relu",
-                               name=f"dense_{i}")(h)
+        h = keras.layers.Dense(
+            WIDTH,
+            activation=None if i == LAYERS - 1 else "relu",
+            name=f"dense_{i}",
+        )(h)
     return keras.Model(inputs, h)
 
 
 def _keras_block(keras):
     inputs = keras.Input(shape=(SEQ, DMODEL))
-    attention = keras.layers.MultiHeadAttention(HEADS, DMODEL // HEADS, name="mha")(
-        inputs, inputs)
+    attention = keras.layers.MultiHeadAttention(
+        HEADS, DMODEL // HEADS, name="mha"
+    )(inputs, inputs)
     h = keras.layers.LayerNormalization(name="ln1")(inputs + attention)
     up = keras.layers.Dense(FFN, activation="relu", name="ffn_up")(h)
     down = keras.layers.Dense(DMODEL, name="ffn_down")(up)
@@ -96,10 +102,12 @@ def _time_and_report(step, rank, mode, steps, warmup, barrier, **extra):
     times = _launch.time_steps(step, warmup, steps, barrier)
     result = _launch.summary(times)
     result.update(
-        rank=rank, first_step_ms=first_ms,
+        rank=rank,
+        first_step_ms=first_ms,
         graphs=counters["stats"].get("unique_graphs", 0),
         graph_breaks=sum(counters["graph_break"].values()),
-        compiled_frames=counters["frames"].get("ok", 0), **extra,
+        compiled_frames=counters["frames"].get("ok", 0),
+        **extra,
     )
     _launch.write_rank_result(result)
     if mode != "1p":
@@ -124,19 +132,27 @@ def _keras_worker(mode, model_kind, compiled, steps, warmup):
         world, rank = dist.get_world_size(), dist.get_rank()
         devices = keras.distribution.list_devices()
         if mode == "dp":
-            keras.distribution.set_distribution(keras.distribution.DataParallel())
+            keras.distribution.set_distribution(
+                keras.distribution.DataParallel()
+            )
         else:
             # The batch axis is always data: of size 1, it leaves the
             # "model" layouts pure tensor parallelism (on a 1-D ("model",)
             # mesh they would be FSDP, see fsdp.py).
-            mesh = keras.distribution.DeviceMesh((1, world), ["batch", "model"], devices)
-            keras.distribution.set_distribution(keras.distribution.ModelParallel(
-                layout_map=_keras_layout_map(keras, mesh, model_kind),
-                batch_dim_name="batch"))
+            mesh = keras.distribution.DeviceMesh(
+                (1, world), ["batch", "model"], devices
+            )
+            keras.distribution.set_distribution(
+                keras.distribution.ModelParallel(
+                    layout_map=_keras_layout_map(keras, mesh, model_kind),
+                    batch_dim_name="batch",
+                )
+            )
     keras.utils.set_random_seed(0)
     model = _keras_mlp(keras) if model_kind == "mlp" else _keras_block(keras)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse",
-                  jit_compile=compiled)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=compiled
+    )
     if model_kind == "mlp":
         x, y = _arrays((GLOBAL_BATCH, WIDTH), (GLOBAL_BATCH, WIDTH))
     else:
@@ -144,12 +160,17 @@ def _keras_worker(mode, model_kind, compiled, steps, warmup):
     global_rows = len(x)
     if mode in ("dp", "1p"):  # a replica's rows (1p: one replica's share)
         per = global_rows // 2
-        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        x, y = (
+            x[rank * per : (rank + 1) * per],
+            y[rank * per : (rank + 1) * per],
+        )
         fit_batch = per * world
     else:
         fit_batch = global_rows
     # One short fit builds the optimizer and installs the step functions.
-    model.fit(x, y, batch_size=fit_batch, epochs=1, steps_per_epoch=1, verbose=0)
+    model.fit(
+        x, y, batch_size=fit_batch, epochs=1, steps_per_epoch=1, verbose=0
+    )
     model.make_train_function()
     function = model.train_function
     batch = [(torch.as_tensor(x), torch.as_tensor(y))]
@@ -159,8 +180,15 @@ def _keras_worker(mode, model_kind, compiled, steps, warmup):
 
         barrier = dist.barrier
     # The first call compiles here (and in fit above) when compiled.
-    _time_and_report(lambda: function(batch), rank, mode, steps, warmup, barrier,
-                     keras=keras.__version__)
+    _time_and_report(
+        lambda: function(batch),
+        rank,
+        mode,
+        steps,
+        warmup,
+        barrier,
+        keras=keras.__version__,
+    )
 
 
 class _TorchBlock:
@@ -195,7 +223,10 @@ class _TorchBlock:
                     return t.view(batch, seq, -1, head_dim).transpose(1, 2)
 
                 attended = torch.nn.functional.scaled_dot_product_attention(
-                    heads(self.query(x)), heads(self.key(x)), heads(self.value(x)))
+                    heads(self.query(x)),
+                    heads(self.key(x)),
+                    heads(self.value(x)),
+                )
                 attended = attended.transpose(1, 2).reshape(batch, seq, -1)
                 h = self.ln1(x + self.attention_output(attended))
                 down = self.ffn_down(torch.relu(self.ffn_up(h)))
@@ -222,11 +253,18 @@ def _torch_tp_plan(model_kind):
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     if model_kind == "block":
-        return {"query": ColwiseParallel(), "key": ColwiseParallel(),
-                "value": ColwiseParallel(), "attention_output": RowwiseParallel(),
-                "ffn_up": ColwiseParallel(), "ffn_down": RowwiseParallel()}
-    return {str(2 * i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
-            for i in range(LAYERS)}
+        return {
+            "query": ColwiseParallel(),
+            "key": ColwiseParallel(),
+            "value": ColwiseParallel(),
+            "attention_output": RowwiseParallel(),
+            "ffn_up": ColwiseParallel(),
+            "ffn_down": RowwiseParallel(),
+        }
+    return {
+        str(2 * i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+        for i in range(LAYERS)
+    }
 
 
 def _torch_worker(mode, model_kind, compiled, steps, warmup):
@@ -251,7 +289,10 @@ def _torch_worker(mode, model_kind, compiled, steps, warmup):
         model = nn.parallel.DistributedDataParallel(model)
     if mode in ("ddp", "1p"):
         per = len(x) // 2
-        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        x, y = (
+            x[rank * per : (rank + 1) * per],
+            y[rank * per : (rank + 1) * per],
+        )
     if mode == "tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
@@ -284,10 +325,15 @@ def worker(case):
 def _cases(quick):
     cases = []
     for how in ("eager", "compiled"):
-        for model_kind in (("mlp",) if quick else ("mlp", "block")):
-            cases += [(f"keras_dp_{model_kind}_{how}", 2), (f"keras_mp_{model_kind}_{how}", 2),
-                      (f"torch_ddp_{model_kind}_{how}", 2), (f"torch_tp_{model_kind}_{how}", 2),
-                      (f"keras_1p_{model_kind}_{how}", 1), (f"torch_1p_{model_kind}_{how}", 1)]
+        for model_kind in ("mlp",) if quick else ("mlp", "block"):
+            cases += [
+                (f"keras_dp_{model_kind}_{how}", 2),
+                (f"keras_mp_{model_kind}_{how}", 2),
+                (f"torch_ddp_{model_kind}_{how}", 2),
+                (f"torch_tp_{model_kind}_{how}", 2),
+                (f"keras_1p_{model_kind}_{how}", 1),
+                (f"torch_1p_{model_kind}_{how}", 1),
+            ]
     return cases
 
 
@@ -296,23 +342,36 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="MLP only")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="rounds of all cases, interleaved; each case "
-                             "reports the median over rounds")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of all cases, interleaved; each case "
+        "reports the median over rounds",
+    )
     args = parser.parse_args()
     env = {"BENCH_STEPS": str(args.steps), "BENCH_WARMUP": str(args.warmup)}
     rounds, errors = {}, {}
     for _ in range(args.repeats):
         for case, nproc in _cases(args.quick):
             try:
-                rounds.setdefault(case, []).append(_launch.launch(
-                    os.path.abspath(__file__), case, nproc, timeout=300, extra_env=env))
+                rounds.setdefault(case, []).append(
+                    _launch.launch(
+                        os.path.abspath(__file__),
+                        case,
+                        nproc,
+                        timeout=300,
+                        extra_env=env,
+                    )
+                )
             except RuntimeError as error:  # recorded in the JSON, run goes on
                 errors.setdefault(case, []).append(str(error)[-3000:])
                 print(f"  {case} FAILED: {str(error)[-600:]}", flush=True)
     # Each round: the slower rank's median; each case: the median over rounds.
-    rounds_ms = {case: [max(r["median_ms"] for r in ranks) for ranks in case_rounds]
-                 for case, case_rounds in rounds.items()}
+    rounds_ms = {
+        case: [max(r["median_ms"] for r in ranks) for ranks in case_rounds]
+        for case, case_rounds in rounds.items()
+    }
     ms = {case: statistics.median(values) for case, values in rounds_ms.items()}
     runs = {case: case_rounds[0] for case, case_rounds in rounds.items()}
 
@@ -321,42 +380,80 @@ def main():
 
     ratios = {}
     for model_kind in ("mlp", "block"):
-        for framework, modes in (("keras", ("dp", "mp", "1p")), ("torch", ("ddp", "tp", "1p"))):
+        for framework, modes in (
+            ("keras", ("dp", "mp", "1p")),
+            ("torch", ("ddp", "tp", "1p")),
+        ):
             for mode in modes:
                 case = f"{framework}_{mode}_{model_kind}"
-                ratios[f"{case}: compiled / eager"] = ratio(f"{case}_compiled", f"{case}_eager")
+                ratios[f"{case}: compiled / eager"] = ratio(
+                    f"{case}_compiled", f"{case}_eager"
+                )
         for how in ("eager", "compiled"):
             ratios[f"{model_kind} keras_mp / torch_tp ({how})"] = ratio(
-                f"keras_mp_{model_kind}_{how}", f"torch_tp_{model_kind}_{how}")
+                f"keras_mp_{model_kind}_{how}", f"torch_tp_{model_kind}_{how}"
+            )
             ratios[f"{model_kind} keras_dp / torch_ddp ({how})"] = ratio(
-                f"keras_dp_{model_kind}_{how}", f"torch_ddp_{model_kind}_{how}")
-            keras_over = ratio(f"keras_dp_{model_kind}_{how}", f"keras_1p_{model_kind}_{how}")
-            torch_over = ratio(f"torch_ddp_{model_kind}_{how}", f"torch_1p_{model_kind}_{how}")
+                f"keras_dp_{model_kind}_{how}", f"torch_ddp_{model_kind}_{how}"
+            )
+            keras_over = ratio(
+                f"keras_dp_{model_kind}_{how}", f"keras_1p_{model_kind}_{how}"
+            )
+            torch_over = ratio(
+                f"torch_ddp_{model_kind}_{how}", f"torch_1p_{model_kind}_{how}"
+            )
             ratios[f"{model_kind} dp overhead keras 2p/1p ({how})"] = keras_over
             ratios[f"{model_kind} dp overhead ddp 2p/1p ({how})"] = torch_over
             ratios[f"{model_kind} dp overhead ratio keras/ddp ({how})"] = (
-                round(keras_over / torch_over, 3) if keras_over and torch_over else None)
+                round(keras_over / torch_over, 3)
+                if keras_over and torch_over
+                else None
+            )
     compile_report = {
-        case: {k: ranks[0][k] for k in ("graphs", "graph_breaks", "compiled_frames",
-                                         "first_step_ms")}
-        for case, ranks in runs.items() if case.endswith("compiled")
+        case: {
+            k: ranks[0][k]
+            for k in (
+                "graphs",
+                "graph_breaks",
+                "compiled_frames",
+                "first_step_ms",
+            )
+        }
+        for case, ranks in runs.items()
+        if case.endswith("compiled")
     }
     print("\nmedian step (ms), slower rank, median over rounds:")
     for case in ms:
-        print(f"  {case:28} {ms[case]:9.2f}   rounds {[round(m, 1) for m in rounds_ms[case]]}")
+        print(
+            f"  {case:28} {ms[case]:9.2f}   rounds {[round(m, 1) for m in rounds_ms[case]]}"
+        )
     print("\nratios:")
     for name, value in ratios.items():
         print(f"  {name:42} {value}")
-    print("\ncompile (rank 0): graphs / graph breaks / compiled frames / first step ms")
+    print(
+        "\ncompile (rank 0): graphs / graph breaks / compiled frames / first step ms"
+    )
     for case, rep in compile_report.items():
-        print(f"  {case:28} {rep['graphs']} / {rep['graph_breaks']} / "
-              f"{rep['compiled_frames']} / {rep['first_step_ms']:.0f}")
-    _launch.save("compile", {
-        "benchmark": "compile", "machine": _launch.machine(),
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-        "step_ms": ms, "rounds_ms": rounds_ms, "ratios": ratios,
-        "compile": compile_report, "errors": errors, "runs": rounds,
-    })
+        print(
+            f"  {case:28} {rep['graphs']} / {rep['graph_breaks']} / "
+            f"{rep['compiled_frames']} / {rep['first_step_ms']:.0f}"
+        )
+    _launch.save(
+        "compile",
+        {
+            "benchmark": "compile",
+            "machine": _launch.machine(),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "step_ms": ms,
+            "rounds_ms": rounds_ms,
+            "ratios": ratios,
+            "compile": compile_report,
+            "errors": errors,
+            "runs": rounds,
+        },
+    )
 
 
 if __name__ == "__main__":

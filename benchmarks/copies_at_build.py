@@ -40,6 +40,7 @@ def _keras_model(keras, name):
             h = keras.layers.Dense(WIDTH, activation="relu")(h)
         return keras.Model(inputs, h)
     import keras_hub
+
     import llama_shapes
 
     return llama_shapes.keras_causal_lm(keras, keras_hub)
@@ -104,7 +105,9 @@ def _torch_worker(name):
     DistributedDataParallel(module)
     wrap_s = time.perf_counter() - start
     params = sum(p.numel() for p in module.parameters())
-    _launch.write_rank_result({"build_s": build_s, "ddp_wrap_s": wrap_s, "params": params})
+    _launch.write_rank_result(
+        {"build_s": build_s, "ddp_wrap_s": wrap_s, "params": params}
+    )
     dist.destroy_process_group()
 
 
@@ -120,7 +123,9 @@ def worker(case):
 
 def _worst(rounds, key):
     """Median over rounds of the slower rank's value."""
-    return statistics.median(max(rank[key] for rank in ranks) for ranks in rounds)
+    return statistics.median(
+        max(rank[key] for rank in ranks) for ranks in rounds
+    )
 
 
 def main():
@@ -129,24 +134,38 @@ def main():
     parser.add_argument("--models", default="mlp,llama")
     args = parser.parse_args()
     script = os.path.abspath(__file__)
-    results = {"machine": _launch.machine(), "repeats": args.repeats, "models": {}}
+    results = {
+        "machine": _launch.machine(),
+        "repeats": args.repeats,
+        "models": {},
+    }
     for name in args.models.split(","):
         rounds = {"keras_2p": [], "keras_1p": [], "torch_ddp": []}
         for _ in range(args.repeats):
-            for kind, nproc in (("keras_2p", 2), ("keras_1p", 1), ("torch_ddp", 2)):
-                rounds[kind].append(_launch.launch(script, f"{kind}:{name}", nproc, timeout=300))
+            for kind, nproc in (
+                ("keras_2p", 2),
+                ("keras_1p", 1),
+                ("torch_ddp", 2),
+            ):
+                rounds[kind].append(
+                    _launch.launch(script, f"{kind}:{name}", nproc, timeout=300)
+                )
         entry = {
             "params": rounds["keras_2p"][0][0]["params"],
             "torch_params": rounds["torch_ddp"][0][0]["params"],
             "build_2p_s": _worst(rounds["keras_2p"], "build_s"),
             "equalize_s": _worst(rounds["keras_2p"], "equalize_s"),
-            "broadcasting_builds": rounds["keras_2p"][0][0]["broadcasting_builds"],
+            "broadcasting_builds": rounds["keras_2p"][0][0][
+                "broadcasting_builds"
+            ],
             "build_1p_s": _worst(rounds["keras_1p"], "build_s"),
             "torch_build_s": _worst(rounds["torch_ddp"], "build_s"),
             "ddp_wrap_s": _worst(rounds["torch_ddp"], "ddp_wrap_s"),
             "rounds": rounds,
         }
-        entry["equalize_over_ddp_wrap"] = entry["equalize_s"] / entry["ddp_wrap_s"]
+        entry["equalize_over_ddp_wrap"] = (
+            entry["equalize_s"] / entry["ddp_wrap_s"]
+        )
         entry["build_2p_over_1p"] = entry["build_2p_s"] / entry["build_1p_s"]
         results["models"][name] = entry
         print(

@@ -80,7 +80,9 @@ class PeakSampler:
 def _maxrss_bytes():
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )  # Linux: KiB
 
 
 def _build(keras, width, layers):
@@ -143,7 +145,9 @@ def worker(case):
         _set_model_parallel(keras, mesh, axes)
     else:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor import distribute_tensor
 
         keras.distribution.set_distribution(None)
         torch_mesh = init_device_mesh(
@@ -163,7 +167,9 @@ def worker(case):
                 if entry is None:
                     continue
                 placements = [
-                    Shard(entry.index("model")) if "model" in entry else Replicate()
+                    Shard(entry.index("model"))
+                    if "model" in entry
+                    else Replicate()
                 ]
                 sharded = distribute_tensor(
                     variable.value.detach(), torch_mesh, placements
@@ -172,7 +178,9 @@ def worker(case):
                 # layers' torch parameters (Keras' TorchLayer keeps its own
                 # reference to every variable's value in `_torch_params`), so
                 # that the full value is freed.
-                variable._value = torch.nn.Parameter(sharded, requires_grad=True)
+                variable._value = torch.nn.Parameter(
+                    sharded, requires_grad=True
+                )
             for layer in model._flatten_layers(include_self=True):
                 if hasattr(layer, "_torch_params"):
                     layer._track_variables()
@@ -241,7 +249,9 @@ def _summarize(ranks):
             round((r["rss_after_bytes"] - r["baseline_rss_bytes"]) / 2**20, 1)
             for r in ranks
         ],
-        "local_weight_MiB": [round(r["local_weight_bytes"] / 2**20, 1) for r in ranks],
+        "local_weight_MiB": [
+            round(r["local_weight_bytes"] / 2**20, 1) for r in ranks
+        ],
         "creation_seconds": [round(r["creation_seconds"], 2) for r in ranks],
         "forward_sum": [r["forward_sum"] for r in ranks],
     }
@@ -252,14 +262,18 @@ def main():
     parser.add_argument("--width", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="only ours and naive with the default allocator",
     )
     args = parser.parse_args()
     env = {"BENCH_WIDTH": str(args.width), "BENCH_LAYERS": str(args.layers)}
     full = args.layers * (args.width * args.width + args.width) * 4
-    print(f"creation memory: {args.layers} x Dense({args.width}), "
-          f"{full / 2**30:.3f} GiB float32, 2 processes", flush=True)
+    print(
+        f"creation memory: {args.layers} x Dense({args.width}), "
+        f"{full / 2**30:.3f} GiB float32, 2 processes",
+        flush=True,
+    )
     plan = [("default_malloc", "ours"), ("default_malloc", "naive")]
     if not args.quick:
         plan += [
@@ -269,7 +283,10 @@ def main():
     runs = {}
     for config, case in plan:
         runs.setdefault(config, {})[case] = _launch.launch(
-            os.path.abspath(__file__), case, 2, timeout=150,
+            os.path.abspath(__file__),
+            case,
+            2,
+            timeout=150,
             extra_env=dict(env, **CONFIGS[config]),
         )
     summary = {
@@ -284,10 +301,14 @@ def main():
         "machine": dict(
             _launch.machine(), keras=runs["default_malloc"]["ours"][0]["keras"]
         ),
-        "model": {"layers": args.layers, "width": args.width, "full_model_bytes": full},
+        "model": {
+            "layers": args.layers,
+            "width": args.width,
+            "full_model_bytes": full,
+        },
         "measure": "per rank: (peak RSS, psutil sampled every 0.5 ms) - (RSS just "
-                   "before creation), over full model bytes; ratio_maxrss uses "
-                   "ru_maxrss instead of the sampled peak",
+        "before creation), over full model bytes; ratio_maxrss uses "
+        "ru_maxrss instead of the sampled peak",
         "target_ratio_ours": TARGET,
         "ratio_ours": ours,
         "ratio_naive": naive,
@@ -296,21 +317,27 @@ def main():
         "summary": summary,
         "ranks": runs,
     }
-    print(f"{'allocator':20} {'case':18} {'rank':>4} {'peak-base MiB':>14} "
-          f"{'ratio(sampled)':>15} {'ratio(maxrss)':>14} {'after MiB':>10} "
-          f"{'local MiB':>10} {'sec':>6}")
+    print(
+        f"{'allocator':20} {'case':18} {'rank':>4} {'peak-base MiB':>14} "
+        f"{'ratio(sampled)':>15} {'ratio(maxrss)':>14} {'after MiB':>10} "
+        f"{'local MiB':>10} {'sec':>6}"
+    )
     for config, cases in runs.items():
         for case, ranks in cases.items():
             for r in ranks:
-                print(f"{config:20} {case:18} {r['rank']:>4} "
-                      f"{r['peak_minus_baseline_bytes'] / 2**20:>14.1f} "
-                      f"{r['ratio_sampled']:>15.3f} {r['ratio_maxrss']:>14.3f} "
-                      f"{(r['rss_after_bytes'] - r['baseline_rss_bytes']) / 2**20:>10.1f} "
-                      f"{r['local_weight_bytes'] / 2**20:>10.1f} "
-                      f"{r['creation_seconds']:>6.2f}")
-    print(f"ours: peak ratio {ours:.3f} (target <= {TARGET}, "
-          f"{'met' if ours <= TARGET else 'NOT met'}); naive: {naive:.3f}; "
-          f"ours/naive = {ours / naive:.3f}")
+                print(
+                    f"{config:20} {case:18} {r['rank']:>4} "
+                    f"{r['peak_minus_baseline_bytes'] / 2**20:>14.1f} "
+                    f"{r['ratio_sampled']:>15.3f} {r['ratio_maxrss']:>14.3f} "
+                    f"{(r['rss_after_bytes'] - r['baseline_rss_bytes']) / 2**20:>10.1f} "
+                    f"{r['local_weight_bytes'] / 2**20:>10.1f} "
+                    f"{r['creation_seconds']:>6.2f}"
+                )
+    print(
+        f"ours: peak ratio {ours:.3f} (target <= {TARGET}, "
+        f"{'met' if ours <= TARGET else 'NOT met'}); naive: {naive:.3f}; "
+        f"ours/naive = {ours / naive:.3f}"
+    )
     _launch.save("creation_memory", payload)
 
 

@@ -58,7 +58,9 @@ def _keras_worker(distributed, steps, warmup):
         keras.distribution.initialize()
         world, rank = dist.get_world_size(), dist.get_rank()
         devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh((len(devices),), ["batch"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            (len(devices),), ["batch"], devices
+        )
         keras.distribution.set_distribution(
             keras.distribution.DataParallel(device_mesh=mesh)
         )
@@ -72,11 +74,17 @@ def _keras_worker(distributed, steps, warmup):
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     per_rank = GLOBAL_BATCH // 2  # the per-process batch, at 1 or 2 processes
     x, y = _data(GLOBAL_BATCH)
-    x = torch.as_tensor(x[rank * per_rank:(rank + 1) * per_rank])
-    y = torch.as_tensor(y[rank * per_rank:(rank + 1) * per_rank])
+    x = torch.as_tensor(x[rank * per_rank : (rank + 1) * per_rank])
+    y = torch.as_tensor(y[rank * per_rank : (rank + 1) * per_rank])
     # One short fit builds the optimizer and the metrics the way fit does.
-    model.fit(x.numpy(), y.numpy(), batch_size=per_rank * world, epochs=1,
-              steps_per_epoch=1, verbose=0)
+    model.fit(
+        x.numpy(),
+        y.numpy(),
+        batch_size=per_rank * world,
+        epochs=1,
+        steps_per_epoch=1,
+        verbose=0,
+    )
     model.make_train_function()
     function = model.train_function
     batch = [(x, y)]
@@ -94,7 +102,9 @@ def _keras_worker(distributed, steps, warmup):
     logs = function(batch)
     result = _launch.summary(times)
     result.update(
-        rank=rank, world=world, keras=keras.__version__,
+        rank=rank,
+        world=world,
+        keras=keras.__version__,
         final_loss=float(keras.ops.convert_to_numpy(logs["loss"])),
     )
     _launch.write_rank_result(result)
@@ -128,8 +138,8 @@ def _torch_worker(distributed, steps, warmup):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     per_rank = GLOBAL_BATCH // 2
     x, y = _data(GLOBAL_BATCH)
-    x = torch.as_tensor(x[rank * per_rank:(rank + 1) * per_rank])
-    y = torch.as_tensor(y[rank * per_rank:(rank + 1) * per_rank])
+    x = torch.as_tensor(x[rank * per_rank : (rank + 1) * per_rank])
+    y = torch.as_tensor(y[rank * per_rank : (rank + 1) * per_rank])
     step = _launch.torch_step(model, optimizer, x, y)
 
     barrier = None
@@ -163,21 +173,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="rounds of all four cases, interleaved; each "
-                             "case reports the median over rounds")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of all four cases, interleaved; each "
+        "case reports the median over rounds",
+    )
     args = parser.parse_args()
     env = {"BENCH_STEPS": str(args.steps), "BENCH_WARMUP": str(args.warmup)}
-    print(f"data parallel: {LAYERS} x Dense({WIDTH}) MLP, Adam, global batch "
-          f"{GLOBAL_BATCH}, {args.steps} timed steps after {args.warmup}",
-          flush=True)
+    print(
+        f"data parallel: {LAYERS} x Dense({WIDTH}) MLP, Adam, global batch "
+        f"{GLOBAL_BATCH}, {args.steps} timed steps after {args.warmup}",
+        flush=True,
+    )
     plan = [("keras_dp", 2), ("torch_ddp", 2), ("keras_1p", 1), ("torch_1p", 1)]
     runs = {case: [] for case, _ in plan}
     for _ in range(args.repeats):
         for case, nproc in plan:
-            runs[case].append(_launch.launch(
-                os.path.abspath(__file__), case, nproc, timeout=150, extra_env=env
-            ))
+            runs[case].append(
+                _launch.launch(
+                    os.path.abspath(__file__),
+                    case,
+                    nproc,
+                    timeout=150,
+                    extra_env=env,
+                )
+            )
     # Each round: the slower rank's median; each case: the median over rounds.
     rounds_ms = {
         case: [max(r["median_ms"] for r in ranks) for ranks in rounds]
@@ -187,22 +209,32 @@ def main():
     ratios = {
         "keras_dp_over_torch_ddp": step_ms["keras_dp"] / step_ms["torch_ddp"],
         "keras_1p_over_torch_1p": step_ms["keras_1p"] / step_ms["torch_1p"],
-        "overhead_keras_dp_2p_over_1p": step_ms["keras_dp"] / step_ms["keras_1p"],
-        "overhead_torch_ddp_2p_over_1p": step_ms["torch_ddp"] / step_ms["torch_1p"],
+        "overhead_keras_dp_2p_over_1p": step_ms["keras_dp"]
+        / step_ms["keras_1p"],
+        "overhead_torch_ddp_2p_over_1p": step_ms["torch_ddp"]
+        / step_ms["torch_1p"],
     }
     ratios["overhead_keras_over_overhead_torch"] = (
-        ratios["overhead_keras_dp_2p_over_1p"] / ratios["overhead_torch_ddp_2p_over_1p"]
+        ratios["overhead_keras_dp_2p_over_1p"]
+        / ratios["overhead_torch_ddp_2p_over_1p"]
     )
     payload = {
         "benchmark": "data_parallel",
-        "machine": dict(_launch.machine(), keras=runs["keras_dp"][0][0]["keras"]),
-        "model": {"layers": LAYERS, "width": WIDTH, "global_batch": GLOBAL_BATCH,
-                  "per_process_batch": GLOBAL_BATCH // 2, "optimizer": "Adam",
-                  "loss": "mse"},
+        "machine": dict(
+            _launch.machine(), keras=runs["keras_dp"][0][0]["keras"]
+        ),
+        "model": {
+            "layers": LAYERS,
+            "width": WIDTH,
+            "global_batch": GLOBAL_BATCH,
+            "per_process_batch": GLOBAL_BATCH // 2,
+            "optimizer": "Adam",
+            "loss": "mse",
+        },
         "timing": "Keras: model.train_function([(x, y)]) on prebuilt per-rank "
-                  "batches (fit's per-step function); torch: zero_grad/forward/"
-                  "backward/step. Median of timed steps after warm-up; 2-process "
-                  "cases report the slower rank's median.",
+        "batches (fit's per-step function); torch: zero_grad/forward/"
+        "backward/step. Median of timed steps after warm-up; 2-process "
+        "cases report the slower rank's median.",
         "step_ms": step_ms,
         "rounds_ms": rounds_ms,
         "ratios": ratios,

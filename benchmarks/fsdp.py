@@ -103,9 +103,14 @@ MODELS = {"mlp": 2, "block": 2, "2x2": 4, "llama": 2}  # model -> processes
 # multiply costs ~10 ms instead of ~1 ms here, which would time page faults.)
 PHASE_ENV = {"time": {}, "memory": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
 STEP_TARGET, MEMORY_TARGET = 1.05, 1.05
-KEYS = (("time", "step_ms"), ("time", "cpu_ms"), ("time", "state_mib"),
-        ("memory", "peak_mib"), ("memory", "hwm_mib"),
-        ("memory", "step_ms_mmap_allocator"))
+KEYS = (
+    ("time", "step_ms"),
+    ("time", "cpu_ms"),
+    ("time", "state_mib"),
+    ("memory", "peak_mib"),
+    ("memory", "hwm_mib"),
+    ("memory", "step_ms_mmap_allocator"),
+)
 
 
 def _global_arrays(model_kind):
@@ -121,7 +126,7 @@ def _global_arrays(model_kind):
 
 def _rows(array, replica, replicas):
     per = len(array) // replicas
-    return array[replica * per:(replica + 1) * per]
+    return array[replica * per : (replica + 1) * per]
 
 
 def _local_bytes(tensor):
@@ -165,7 +170,9 @@ def _measure(step, barrier, phase, steps, warmup, memory_steps):
         result = _launch.summary(_launch.time_steps(step, 0, steps))
         # This process's CPU time (all its threads) per step: less moved by
         # other work on the machine than wall time, which also counts waiting.
-        result["cpu_ms_per_step"] = 1e3 * (time.process_time() - cpu_started) / steps
+        result["cpu_ms_per_step"] = (
+            1e3 * (time.process_time() - cpu_started) / steps
+        )
         with collective_counts.counting() as counts:
             step()
         result["collectives_per_step"] = counts
@@ -203,7 +210,9 @@ def _profile(step, barrier, how, steps=5):
             for _ in range(steps):
                 step()
         table = prof.key_averages().table(
-            sort_by=os.environ.get("BENCH_PROFILE_SORT", "cpu_time_total"), row_limit=60)
+            sort_by=os.environ.get("BENCH_PROFILE_SORT", "cpu_time_total"),
+            row_limit=60,
+        )
     else:
         import cProfile
         import io
@@ -216,8 +225,12 @@ def _profile(step, barrier, how, steps=5):
         profiler.disable()
         if torch.distributed.get_rank() == 0:
             os.makedirs(_launch.RESULTS, exist_ok=True)
-            profiler.dump_stats(os.path.join(
-                _launch.RESULTS, f"fsdp_profile_{os.environ['BENCH_WORKER']}.pstats"))
+            profiler.dump_stats(
+                os.path.join(
+                    _launch.RESULTS,
+                    f"fsdp_profile_{os.environ['BENCH_WORKER']}.pstats",
+                )
+            )
         out = io.StringIO()
         stats = pstats.Stats(profiler, stream=out).sort_stats("cumulative")
         stats.print_stats(70)
@@ -236,7 +249,8 @@ def _profile(step, barrier, how, steps=5):
 def _keras_layout_map(keras, mesh, model_kind):
     if model_kind == "2x2":
         return _launch.megatron_mlp_layout_map(
-            keras, mesh, compile_benchmark.LAYERS, other="batch")
+            keras, mesh, compile_benchmark.LAYERS, other="batch"
+        )
     layout_map = keras.distribution.LayoutMap(mesh)
     if model_kind == "mlp":
         layout_map[r"dense_\d+/kernel"] = ("model", None)
@@ -265,24 +279,30 @@ def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
         import keras_hub
 
         replicas, replica = world, rank
-        mesh = keras.distribution.DeviceMesh((world, 1), ["batch", "model"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            (world, 1), ["batch", "model"], devices
+        )
         distribution = keras.distribution.ModelParallel(
             layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
-            batch_dim_name="batch")
+            batch_dim_name="batch",
+        )
     elif model_kind == "2x2":
         replicas = 2
         mesh = keras.distribution.DeviceMesh(
-            (replicas, world // replicas), ["batch", "model"], devices)
+            (replicas, world // replicas), ["batch", "model"], devices
+        )
         replica = rank // (world // replicas)  # devices fill the mesh row-major
         distribution = keras.distribution.ModelParallel(
             layout_map=_keras_layout_map(keras, mesh, model_kind),
-            batch_dim_name="batch")
+            batch_dim_name="batch",
+        )
     else:
         replicas, replica = world, rank
         mesh = keras.distribution.DeviceMesh((world,), ["model"], devices)
         # The batch axis defaults to the mesh's one axis, "model".
         distribution = keras.distribution.ModelParallel(
-            layout_map=_keras_layout_map(keras, mesh, model_kind))
+            layout_map=_keras_layout_map(keras, mesh, model_kind)
+        )
     keras.distribution.set_distribution(distribution)
     keras.utils.set_random_seed(0)
     x, y = _global_arrays(model_kind)
@@ -291,7 +311,8 @@ def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            weighted_metrics=[])
+            weighted_metrics=[],
+        )
         x = llama_shapes.keras_inputs(x)
     else:
         if model_kind == "block":
@@ -304,24 +325,44 @@ def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
     model.fit(x, y, batch_size=len(y), epochs=1, steps_per_epoch=1, verbose=0)
     model.make_train_function()
     function = model.train_function
-    batch = [(keras.tree.map_structure(
-                  lambda a: torch.as_tensor(_rows(a, replica, replicas)), x),
-              torch.as_tensor(_rows(y, replica, replicas)))]
-    result = _measure(lambda: function(batch), dist.barrier, phase, steps,
-                      warmup, memory_steps)
+    batch = [
+        (
+            keras.tree.map_structure(
+                lambda a: torch.as_tensor(_rows(a, replica, replicas)), x
+            ),
+            torch.as_tensor(_rows(y, replica, replicas)),
+        )
+    ]
+    result = _measure(
+        lambda: function(batch),
+        dist.barrier,
+        phase,
+        steps,
+        warmup,
+        memory_steps,
+    )
     model.reset_metrics()  # the next loss is that step's, not a running mean
     logs = function(batch)
     result.update(
-        rank=rank, keras=keras.__version__, replica=replica, replicas=replicas,
+        rank=rank,
+        keras=keras.__version__,
+        replica=replica,
+        replicas=replicas,
         rows_per_rank=int(batch[0][1].shape[0]),
-        param_bytes=sum(_local_bytes(v.value) for v in model.trainable_variables),
-        optimizer_state_bytes=sum(_local_bytes(v.value)
-                                  for v in model.optimizer.variables),
-        full_param_bytes=sum(int(v.value.numel()) * 4
-                             for v in model.trainable_variables),
-        sharded_variables={v.path: [str(p) for p in v.value.placements]
-                           for v in model.trainable_variables
-                           if isinstance(v.value, DTensor)},
+        param_bytes=sum(
+            _local_bytes(v.value) for v in model.trainable_variables
+        ),
+        optimizer_state_bytes=sum(
+            _local_bytes(v.value) for v in model.optimizer.variables
+        ),
+        full_param_bytes=sum(
+            int(v.value.numel()) * 4 for v in model.trainable_variables
+        ),
+        sharded_variables={
+            v.path: [str(p) for p in v.value.placements]
+            for v in model.trainable_variables
+            if isinstance(v.value, DTensor)
+        },
         final_loss=float(keras.ops.convert_to_numpy(logs["loss"])),
     )
     _launch.write_rank_result(result)
@@ -344,7 +385,8 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
         model = llama_shapes.torch_causal_lm()
     else:
         model = compile_benchmark._torch_model(
-            "block" if model_kind == "block" else "mlp")
+            "block" if model_kind == "block" else "mlp"
+        )
     for module in model.modules():  # Keras Dense's init, for the sanity check
         if isinstance(module, nn.Linear):
             nn.init.xavier_uniform_(module.weight)
@@ -354,10 +396,12 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
         from torch.distributed.tensor.parallel import parallelize_module
 
         replicas = 2
-        mesh = init_device_mesh("cpu", (replicas, world // replicas),
-                                mesh_dim_names=("dp", "tp"))
-        model = parallelize_module(model, mesh["tp"],
-                                   compile_benchmark._torch_tp_plan("mlp"))
+        mesh = init_device_mesh(
+            "cpu", (replicas, world // replicas), mesh_dim_names=("dp", "tp")
+        )
+        model = parallelize_module(
+            model, mesh["tp"], compile_benchmark._torch_tp_plan("mlp")
+        )
         dp_mesh = mesh["dp"]
         replica = dp_mesh.get_local_rank()
     else:
@@ -372,10 +416,14 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
                 fully_shard(module, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = (torch.as_tensor(_rows(a, replica, replicas))
-            for a in _global_arrays(model_kind))
+    x, y = (
+        torch.as_tensor(_rows(a, replica, replicas))
+        for a in _global_arrays(model_kind)
+    )
     if model_kind == "llama":
-        step = llama_shapes.torch_train_step(model, optimizer, x.long(), y.long())
+        step = llama_shapes.torch_train_step(
+            model, optimizer, x.long(), y.long()
+        )
     else:
         step = _launch.torch_step(model, optimizer, x, y)
     step()  # as Keras' one fit step: builds Adam's state
@@ -384,7 +432,10 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
     loss = step.last_loss.detach().clone()
     dist.all_reduce(loss)  # the ranks' mean: the global batch's loss
     result.update(
-        rank=rank, replica=replica, replicas=replicas, rows_per_rank=len(x),
+        rank=rank,
+        replica=replica,
+        replicas=replicas,
+        rows_per_rank=len(x),
         param_bytes=sum(_local_bytes(p) for p in model.parameters()),
         optimizer_state_bytes=sum(
             _local_bytes(t)
@@ -402,8 +453,13 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
 
 def worker(case):
     framework, model_kind = case.split("_")[0], case.rsplit("_", 1)[1]
-    args = (model_kind, os.environ["BENCH_PHASE"], int(os.environ["BENCH_STEPS"]),
-            int(os.environ["BENCH_WARMUP"]), int(os.environ["BENCH_MEMORY_STEPS"]))
+    args = (
+        model_kind,
+        os.environ["BENCH_PHASE"],
+        int(os.environ["BENCH_STEPS"]),
+        int(os.environ["BENCH_WARMUP"]),
+        int(os.environ["BENCH_MEMORY_STEPS"]),
+    )
     if framework == "keras":
         _keras_worker(*args)
     else:
@@ -419,14 +475,20 @@ def _time_figures(ranks):
     return {
         "step_ms": max(r["median_ms"] for r in ranks),
         "cpu_ms": max(r["cpu_ms_per_step"] for r in ranks),
-        "state_mib": _mib(max(r["param_bytes"] + r["optimizer_state_bytes"]
-                              for r in ranks)),
+        "state_mib": _mib(
+            max(r["param_bytes"] + r["optimizer_state_bytes"] for r in ranks)
+        ),
         "final_loss": ranks[0]["final_loss"],
-        "loadavg": [ranks[0]["loadavg_1min_before"], ranks[0]["loadavg_1min_after"]],
+        "loadavg": [
+            ranks[0]["loadavg_1min_before"],
+            ranks[0]["loadavg_1min_after"],
+        ],
         # The most any rank issued, by kind.
         "collectives_per_step": {
             kind: max(r["collectives_per_step"].get(kind, 0) for r in ranks)
-            for kind in sorted({k for r in ranks for k in r["collectives_per_step"]})
+            for kind in sorted(
+                {k for r in ranks for k in r["collectives_per_step"]}
+            )
         },
     }
 
@@ -438,7 +500,10 @@ def _memory_figures(ranks):
         "peak_mib": _mib(max(r["peak_minus_baseline_bytes"] for r in ranks)),
         "hwm_mib": None if None in hwm else _mib(max(hwm)),
         "step_ms_mmap_allocator": max(r["median_ms_sampled"] for r in ranks),
-        "loadavg": [ranks[0]["loadavg_1min_before"], ranks[0]["loadavg_1min_after"]],
+        "loadavg": [
+            ranks[0]["loadavg_1min_before"],
+            ranks[0]["loadavg_1min_after"],
+        ],
     }
 
 
@@ -447,56 +512,92 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="rounds of all cases' timing launches, "
-                             "interleaved; each case reports the median over "
-                             "rounds")
-    parser.add_argument("--memory-rounds", type=int, default=1,
-                        help="memory launches per case, in the first rounds")
-    parser.add_argument("--models", default="mlp,block,2x2,llama",
-                        help="comma-separated subset of " + ",".join(MODELS))
-    parser.add_argument("--profile", choices=("torch", "cprofile"),
-                        help="after the timed steps, profile 5 more; rank 0 "
-                             "writes results/fsdp_profile_<case>_<how>.txt")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of all cases' timing launches, "
+        "interleaved; each case reports the median over "
+        "rounds",
+    )
+    parser.add_argument(
+        "--memory-rounds",
+        type=int,
+        default=1,
+        help="memory launches per case, in the first rounds",
+    )
+    parser.add_argument(
+        "--models",
+        default="mlp,block,2x2,llama",
+        help="comma-separated subset of " + ",".join(MODELS),
+    )
+    parser.add_argument(
+        "--profile",
+        choices=("torch", "cprofile"),
+        help="after the timed steps, profile 5 more; rank 0 "
+        "writes results/fsdp_profile_<case>_<how>.txt",
+    )
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     for m in models:
         if m not in MODELS:
-            parser.error(f"--models: unknown {m!r}; choose from {sorted(MODELS)}")
-    env = dict(BENCH_STEPS=str(args.steps), BENCH_WARMUP=str(args.warmup),
-               BENCH_MEMORY_STEPS=str(args.memory_steps))
+            parser.error(
+                f"--models: unknown {m!r}; choose from {sorted(MODELS)}"
+            )
+    env = dict(
+        BENCH_STEPS=str(args.steps),
+        BENCH_WARMUP=str(args.warmup),
+        BENCH_MEMORY_STEPS=str(args.memory_steps),
+    )
     if args.profile:
         env["BENCH_PROFILE"] = args.profile
-    print(f"fsdp: {models}, {args.steps} timed steps after {args.warmup}, "
-          f"{args.repeats} round(s); memory: {args.memory_steps} steps, "
-          f"{args.memory_rounds} round(s)", flush=True)
+    print(
+        f"fsdp: {models}, {args.steps} timed steps after {args.warmup}, "
+        f"{args.repeats} round(s); memory: {args.memory_steps} steps, "
+        f"{args.memory_rounds} round(s)",
+        flush=True,
+    )
     launches = {"time": {}, "memory": {}}
     errors = {}
     for round_index in range(max(args.repeats, args.memory_rounds)):
         for model_kind in models:
-            phases = [p for p, n in (("time", args.repeats),
-                                     ("memory", args.memory_rounds))
-                      if round_index < n]
+            phases = [
+                p
+                for p, n in (
+                    ("time", args.repeats),
+                    ("memory", args.memory_rounds),
+                )
+                if round_index < n
+            ]
             for phase in phases:
                 for framework in ("keras_fsdp", "torch_fsdp2"):
                     case = f"{framework}_{model_kind}"
                     try:
                         ranks = _launch.launch(
-                            os.path.abspath(__file__), case, MODELS[model_kind],
+                            os.path.abspath(__file__),
+                            case,
+                            MODELS[model_kind],
                             timeout=400,
-                            extra_env=dict(env, BENCH_PHASE=phase,
-                                           **PHASE_ENV[phase]))
+                            extra_env=dict(
+                                env, BENCH_PHASE=phase, **PHASE_ENV[phase]
+                            ),
+                        )
                     except RuntimeError as error:  # recorded, the run goes on
                         errors.setdefault(f"{case} {phase}", []).append(
-                            str(error)[-3000:])
-                        print(f"  {case} {phase} FAILED: {str(error)[-800:]}",
-                              flush=True)
+                            str(error)[-3000:]
+                        )
+                        print(
+                            f"  {case} {phase} FAILED: {str(error)[-800:]}",
+                            flush=True,
+                        )
                         continue
                     launches[phase].setdefault(case, []).append(ranks)
     figures = {
         case: {
             "time": [_time_figures(r) for r in launches["time"].get(case, [])],
-            "memory": [_memory_figures(r) for r in launches["memory"].get(case, [])],
+            "memory": [
+                _memory_figures(r) for r in launches["memory"].get(case, [])
+            ],
         }
         for case in sorted(set(launches["time"]) | set(launches["memory"]))
     }
@@ -515,58 +616,86 @@ def main():
         if ours not in medians or theirs not in medians:
             continue
         ratios[model_kind] = {
-            key: (round(medians[ours][key] / medians[theirs][key], 3)
-                  if medians[ours][key] and medians[theirs][key] else None)
+            key: (
+                round(medians[ours][key] / medians[theirs][key], 3)
+                if medians[ours][key] and medians[theirs][key]
+                else None
+            )
             for _, key in KEYS
         }
         # The step ratio of each round (the two launched one after the
         # other), and their median: less moved by the load drifting.
-        per_round = [round(a["step_ms"] / b["step_ms"], 3) for a, b in
-                     zip(figures[ours]["time"], figures[theirs]["time"])]
+        per_round = [
+            round(a["step_ms"] / b["step_ms"], 3)
+            for a, b in zip(figures[ours]["time"], figures[theirs]["time"])
+        ]
         ratios[model_kind]["step_ms_per_round"] = per_round
         ratios[model_kind]["step_ms_median_of_round_ratios"] = (
-            statistics.median(per_round) if per_round else None)
+            statistics.median(per_round) if per_round else None
+        )
         ratios[model_kind]["final_loss"] = [
             figures[c]["time"][-1]["final_loss"] if figures[c]["time"] else None
-            for c in (ours, theirs)]
+            for c in (ours, theirs)
+        ]
         ratios[model_kind]["collectives_per_step"] = {
             side: figures[c]["time"][-1]["collectives_per_step"]
-            if figures[c]["time"] else None
-            for side, c in (("keras", ours), ("torch", theirs))}
+            if figures[c]["time"]
+            else None
+            for side, c in (("keras", ours), ("torch", theirs))
+        }
 
     def fmt(value, digits=1):
         return "   n/a" if value is None else f"{value:.{digits}f}"
 
-    print("\nper case (worse rank, median over rounds): step ms | CPU ms/step | "
-          "peak-baseline MiB sampled | VmHWM-baseline MiB | params+optimizer "
-          "state MiB/rank | step ms under the mmap allocator")
+    print(
+        "\nper case (worse rank, median over rounds): step ms | CPU ms/step | "
+        "peak-baseline MiB sampled | VmHWM-baseline MiB | params+optimizer "
+        "state MiB/rank | step ms under the mmap allocator"
+    )
     for case, m in medians.items():
-        print(f"  {case:20} {fmt(m['step_ms']):>8} | {fmt(m['cpu_ms']):>7} | "
-              f"{fmt(m['peak_mib']):>6} | {fmt(m['hwm_mib']):>6} | "
-              f"{fmt(m['state_mib'], 2):>6} | {fmt(m['step_ms_mmap_allocator']):>7}"
-              f"   rounds ms {[round(f['step_ms'], 1) for f in figures[case]['time']]}"
-              f" load {[f['loadavg'] for f in figures[case]['time']]}")
+        print(
+            f"  {case:20} {fmt(m['step_ms']):>8} | {fmt(m['cpu_ms']):>7} | "
+            f"{fmt(m['peak_mib']):>6} | {fmt(m['hwm_mib']):>6} | "
+            f"{fmt(m['state_mib'], 2):>6} | {fmt(m['step_ms_mmap_allocator']):>7}"
+            f"   rounds ms {[round(f['step_ms'], 1) for f in figures[case]['time']]}"
+            f" load {[f['loadavg'] for f in figures[case]['time']]}"
+        )
     print("\nkeras / torch:")
     for model_kind, r in ratios.items():
-        print(f"  {model_kind:6} step {r['step_ms']} (target <= {STEP_TARGET}; "
-              f"per round {r['step_ms_per_round']})  cpu {r['cpu_ms']}  "
-              f"peak {r['peak_mib']} / hwm {r['hwm_mib']} (target <= "
-              f"{MEMORY_TARGET})  state {r['state_mib']}  final losses "
-              f"{[None if v is None else round(v, 4) for v in r['final_loss']]}")
-        print(f"         collectives per step: keras "
-              f"{r['collectives_per_step']['keras']}  torch "
-              f"{r['collectives_per_step']['torch']}")
-    _launch.save("fsdp", {
-        "benchmark": "fsdp", "machine": _launch.machine(),
-        "steps": args.steps, "warmup": args.warmup,
-        "memory_steps": args.memory_steps, "repeats": args.repeats,
-        "memory_rounds": args.memory_rounds, "phase_env": PHASE_ENV,
-        "medians": medians, "ratios": ratios, "rounds": figures,
-        "collectives_per_step": {m: r["collectives_per_step"]
-                                 for m, r in ratios.items()},
-        "targets": {"step": STEP_TARGET, "peak_memory": MEMORY_TARGET},
-        "errors": errors, "launches": launches,
-    })
+        print(
+            f"  {model_kind:6} step {r['step_ms']} (target <= {STEP_TARGET}; "
+            f"per round {r['step_ms_per_round']})  cpu {r['cpu_ms']}  "
+            f"peak {r['peak_mib']} / hwm {r['hwm_mib']} (target <= "
+            f"{MEMORY_TARGET})  state {r['state_mib']}  final losses "
+            f"{[None if v is None else round(v, 4) for v in r['final_loss']]}"
+        )
+        print(
+            f"         collectives per step: keras "
+            f"{r['collectives_per_step']['keras']}  torch "
+            f"{r['collectives_per_step']['torch']}"
+        )
+    _launch.save(
+        "fsdp",
+        {
+            "benchmark": "fsdp",
+            "machine": _launch.machine(),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "memory_steps": args.memory_steps,
+            "repeats": args.repeats,
+            "memory_rounds": args.memory_rounds,
+            "phase_env": PHASE_ENV,
+            "medians": medians,
+            "ratios": ratios,
+            "rounds": figures,
+            "collectives_per_step": {
+                m: r["collectives_per_step"] for m, r in ratios.items()
+            },
+            "targets": {"step": STEP_TARGET, "peak_memory": MEMORY_TARGET},
+            "errors": errors,
+            "launches": launches,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -96,7 +96,9 @@ def _child_env(extra=None):
     env["KERAS_BACKEND"] = "torch"
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(ROOT, "src"), HERE] + [p for p in [env.get("PYTHONPATH")] if p])
+        [os.path.join(ROOT, "src"), HERE]
+        + [p for p in [env.get("PYTHONPATH")] if p]
+    )
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.update(extra or {})
     return env
@@ -107,17 +109,34 @@ def run_child(section, args=(), timeout=600, env=None):
     record with the end of its output."""
     with tempfile.TemporaryDirectory(prefix="ktd-gpu-check-") as tmp:
         out = os.path.join(tmp, "result.json")
-        command = [sys.executable, __file__, "--child", section, "--result", out,
-                   "--timeout", str(timeout), *args]
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            section,
+            "--result",
+            out,
+            "--timeout",
+            str(timeout),
+            *args,
+        ]
         start = time.perf_counter()
         try:
-            proc = subprocess.run(command, env=env or _child_env(), capture_output=True,
-                                  text=True, timeout=timeout, cwd=ROOT)
+            proc = subprocess.run(
+                command,
+                env=env or _child_env(),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=ROOT,
+            )
             tail = (proc.stdout + proc.stderr)[-4000:]
             code = proc.returncode
         except subprocess.TimeoutExpired as expired:
-            tail = ((expired.stdout or b"").decode(errors="replace")
-                    + (expired.stderr or b"").decode(errors="replace"))[-4000:]
+            tail = (
+                (expired.stdout or b"").decode(errors="replace")
+                + (expired.stderr or b"").decode(errors="replace")
+            )[-4000:]
             code = "timeout"
         seconds = round(time.perf_counter() - start, 1)
         if os.path.exists(out):
@@ -134,20 +153,34 @@ def run_child(section, args=(), timeout=600, env=None):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default=None,
-                        help="comma-separated; default: all (--quick: " + ",".join(QUICK) + ")")
+    parser.add_argument(
+        "--sections",
+        default=None,
+        help="comma-separated; default: all (--quick: " + ",".join(QUICK) + ")",
+    )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--speed-modes", default=None,
-                        help="comma-separated speed modes (default: all of " + ",".join(SPEED_MODES)
-                        + ", keras_jax where JAX is installed)")
-    parser.add_argument("--profile", action="store_true",
-                        help="a torch profile of 3 more steps of the keras and ktd_dp speed modes")
+    parser.add_argument(
+        "--speed-modes",
+        default=None,
+        help="comma-separated speed modes (default: all of "
+        + ",".join(SPEED_MODES)
+        + ", keras_jax where JAX is installed)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="a torch profile of 3 more steps of the keras and ktd_dp speed modes",
+    )
     parser.add_argument("--jobs", type=int, default=4)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
+    parser.add_argument(
+        "--out", default=os.path.join(HERE, "results", "gpu.json")
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--timeout", type=float, default=None, help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args)
@@ -162,10 +195,16 @@ def main(argv=None):
 
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
-    names = args.sections.split(",") if args.sections else (QUICK if args.quick else list(SECTIONS))
+    names = (
+        args.sections.split(",")
+        if args.sections
+        else (QUICK if args.quick else list(SECTIONS))
+    )
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
-        parser.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+        parser.error(
+            f"unknown sections {unknown}; known: {', '.join(SECTIONS)}"
+        )
     results, skipped = {}, {}
     for name in names:
         needs_cuda = SECTIONS[name][0]
@@ -194,7 +233,10 @@ def main(argv=None):
     def run(name):
         print(f"gpu-check: {name} ...", flush=True)
         result = RUNNERS.get(name, _run_plain)(name)
-        print(f"gpu-check: {name} {result['status']} ({result['seconds']} s)", flush=True)
+        print(
+            f"gpu-check: {name} {result['status']} ({result['seconds']} s)",
+            flush=True,
+        )
         results[name] = result
         write()
         return result
@@ -220,8 +262,12 @@ def _run_compared(name):
     timeout = SECTIONS[name][1]
     plain = run_child(name, ["--mode", "plain"], timeout)
     package = run_child(name, ["--mode", "package"], timeout)
-    result = {"status": "ok", "plain": plain, "package": package,
-              "seconds": round(plain["seconds"] + package["seconds"], 1)}
+    result = {
+        "status": "ok",
+        "plain": plain,
+        "package": package,
+        "seconds": round(plain["seconds"] + package["seconds"], 1),
+    }
     if plain["status"] != "ok" or package["status"] != "ok":
         result["status"] = "failed"
         return result
@@ -237,16 +283,32 @@ def compare_fits(plain, package):
     rows = []
     for fit in package:
         key = (fit["precision"], fit["jit"])
-        reference = next((p for p in plain if (p["precision"], p["jit"]) == key), None)
-        row = {"fit": fit["name"], "precision": fit["precision"], "jit": fit["jit"]}
+        reference = next(
+            (p for p in plain if (p["precision"], p["jit"]) == key), None
+        )
+        row = {
+            "fit": fit["name"],
+            "precision": fit["precision"],
+            "jit": fit["jit"],
+        }
         if fit.get("error") or reference is None or reference.get("error"):
-            row.update(ok=False, error=fit.get("error") or (reference or {}).get("error")
-                       or "no plain Keras fit to compare with")
+            row.update(
+                ok=False,
+                error=fit.get("error")
+                or (reference or {}).get("error")
+                or "no plain Keras fit to compare with",
+            )
         else:
-            diff = max(abs(a - b) / max(abs(b), 1e-12)
-                       for a, b in zip(fit["losses"], reference["losses"]))
-            row.update(max_relative_difference=diff, tolerance=TOLERANCE[fit["precision"]],
-                       ok=diff <= TOLERANCE[fit["precision"]] and not fit.get("fallback"))
+            diff = max(
+                abs(a - b) / max(abs(b), 1e-12)
+                for a, b in zip(fit["losses"], reference["losses"])
+            )
+            row.update(
+                max_relative_difference=diff,
+                tolerance=TOLERANCE[fit["precision"]],
+                ok=diff <= TOLERANCE[fit["precision"]]
+                and not fit.get("fallback"),
+            )
             if fit.get("fallback"):
                 row["fallback"] = fit["fallback"]
         rows.append(row)
@@ -267,20 +329,35 @@ def _run_speed(name):
         modes = chosen.split(",")
     runs = {}
     for mode in modes:
-        env = _child_env({"KERAS_BACKEND": "jax", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-                         if mode == "keras_jax" else None)
+        env = _child_env(
+            {"KERAS_BACKEND": "jax", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+            if mode == "keras_jax"
+            else None
+        )
         runs[mode] = run_child(name, ["--mode", mode], SPEED_MODE_TIMEOUT, env)
-    result = {"status": "ok", "modes": runs,
-              "seconds": round(sum(r["seconds"] for r in runs.values()), 1)}
+    result = {
+        "status": "ok",
+        "modes": runs,
+        "seconds": round(sum(r["seconds"] for r in runs.values()), 1),
+    }
     keras_run = runs.get("keras", {})
     if keras_run.get("status") == "ok":
-        for mode in ("ktd_dp", "ktd_mp", "torch", "keras_jax", "keras_jit", "ktd_dp_jit"):
+        for mode in (
+            "ktd_dp",
+            "ktd_mp",
+            "torch",
+            "keras_jax",
+            "keras_jit",
+            "ktd_dp_jit",
+        ):
             run = runs.get(mode, {})
             if run.get("status") == "ok":
                 run["time_vs_keras"] = run["step_ms"] / keras_run["step_ms"]
                 if mode.startswith("ktd") or mode == "keras_jit":
-                    diff = max(abs(a - b) / abs(b) for a, b in
-                               zip(run["losses"], keras_run["losses"]))
+                    diff = max(
+                        abs(a - b) / abs(b)
+                        for a, b in zip(run["losses"], keras_run["losses"])
+                    )
                     run["loss_max_relative_difference"] = diff
                     if diff > TOLERANCE["mixed_bfloat16"]:
                         result["status"] = "mismatch"
@@ -290,20 +367,38 @@ def _run_speed(name):
 
 
 def _run_sanitizer(name):
-    return run_child(name, timeout=SECTIONS[name][1],
-                     env=_child_env({"TORCH_CUDA_SANITIZER": "1"}))
+    return run_child(
+        name,
+        timeout=SECTIONS[name][1],
+        env=_child_env({"TORCH_CUDA_SANITIZER": "1"}),
+    )
 
 
 def _run_multiprocess(name):
     env = _child_env({"KTD_TEST_DEVICE": "cuda"})
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         "tests/multiprocess"], env=env, cwd=ROOT, capture_output=True, text=True,
-        timeout=SECTIONS[name][1])
-    return {"status": "ok" if proc.returncode == 0 else "failed",
-            "output": (proc.stdout + proc.stderr)[-4000:],
-            "seconds": round(time.perf_counter() - start, 1)}
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            "tests/multiprocess",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SECTIONS[name][1],
+    )
+    return {
+        "status": "ok" if proc.returncode == 0 else "failed",
+        "output": (proc.stdout + proc.stderr)[-4000:],
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 RUNNERS = {
@@ -319,41 +414,64 @@ def summarize(report):
     lines = [f"GPU check on {report['device']}:"]
     env = report["sections"].get("environment", {})
     if env.get("status") == "ok":
-        lines.append("  " + ", ".join(f"{k} {v}" for k, v in env.items()
-                                      if k in ("device_name", "torch", "cuda", "nccl", "keras")))
+        lines.append(
+            "  "
+            + ", ".join(
+                f"{k} {v}"
+                for k, v in env.items()
+                if k in ("device_name", "torch", "cuda", "nccl", "keras")
+            )
+        )
     for name, result in report["sections"].items():
         line = f"  {name:12} {result['status']:8} {result['seconds']:7.1f} s"
         if name in ("fit_mlp", "fit_llama") and "comparisons" in result:
             worst = [c for c in result["comparisons"] if not c["ok"]]
             line += f"  {len(result['comparisons']) - len(worst)}/{len(result['comparisons'])} fits match plain Keras"
             for c in worst:
-                line += f"\n      {c['fit']} {c['precision']} jit={c['jit']}: " + str(
-                    c.get("error") or c.get("fallback") or c.get("max_relative_difference"))[:300]
+                line += (
+                    f"\n      {c['fit']} {c['precision']} jit={c['jit']}: "
+                    + str(
+                        c.get("error")
+                        or c.get("fallback")
+                        or c.get("max_relative_difference")
+                    )[:300]
+                )
         elif name.startswith("world") or name == "sanitizer":
             for run in result["runs"]:
                 if "error" in run:
                     line += f"\n      {run['name']:24} failed"
                     continue
-                line += (f"\n      {run['name']:24} peak {run['peak_mib']:8.1f} MiB, "
-                         f"expected {run['expected_mib']:8.1f} MiB")
-                for row in run.get("peak_above_start", {}).get("by_origin", [])[:6]:
+                line += (
+                    f"\n      {run['name']:24} peak {run['peak_mib']:8.1f} MiB, "
+                    f"expected {run['expected_mib']:8.1f} MiB"
+                )
+                for row in run.get("peak_above_start", {}).get("by_origin", [])[
+                    :6
+                ]:
                     line += f"\n          {row['mib']:7.1f} MiB stream {row['stream']} {row['where']}"
         elif name == "speed":
             for mode, run in result["modes"].items():
                 if run.get("status") == "ok":
-                    line += (f"\n      {mode:10} {run['step_ms']:8.1f} ms/step "
-                             f"{run['tokens_per_s']:10.0f} tok/s  MFU {run.get('mfu', 0):.3f}  "
-                             f"peak {run['peak_mib']:.0f} MiB")
+                    line += (
+                        f"\n      {mode:10} {run['step_ms']:8.1f} ms/step "
+                        f"{run['tokens_per_s']:10.0f} tok/s  MFU {run.get('mfu', 0):.3f}  "
+                        f"peak {run['peak_mib']:.0f} MiB"
+                    )
                 else:
                     line += f"\n      {mode:10} {run.get('status')}"
         elif name == "attention" and result["status"] in ("ok", "mismatch"):
             for row in result["kernels"]:
                 line += f"\n      {row['kernel']:10} {row.get('max_abs_difference', row.get('error'))}"
         elif name == "checkpoint" and result["status"] == "ok":
-            line += "  " + ", ".join(f"{k} {v}" for k, v in result.items()
-                                     if k.endswith("_s") or k.endswith("_mib"))
+            line += "  " + ", ".join(
+                f"{k} {v}"
+                for k, v in result.items()
+                if k.endswith("_s") or k.endswith("_mib")
+            )
         if result["status"] not in ("ok", "mismatch"):
-            line += "\n      " + (result.get("output") or "")[-1500:].replace("\n", "\n      ")
+            line += "\n      " + (result.get("output") or "")[-1500:].replace(
+                "\n", "\n      "
+            )
         lines.append(line)
     for name, why in report["skipped"].items():
         lines.append(f"  {name:12} skipped: {why}")
@@ -364,10 +482,13 @@ def summarize(report):
 # The children
 # ---------------------------------------------------------------------------
 
+
 def child_main(args):
     if args.timeout:
         # A hung child prints every thread's stack before the driver kills it.
-        faulthandler.dump_traceback_later(max(5.0, args.timeout - 10), exit=True)
+        faulthandler.dump_traceback_later(
+            max(5.0, args.timeout - 10), exit=True
+        )
     try:
         result = CHILDREN[args.child](args.mode)
     except BaseException:  # the driver records it as the section's failure
@@ -430,7 +551,9 @@ class _Fallbacks:
     def __exit__(self, *exc):
         import logging
 
-        logging.getLogger("keras_torch_distribution").removeHandler(self.handler)
+        logging.getLogger("keras_torch_distribution").removeHandler(
+            self.handler
+        )
 
 
 def _initial_weights(model, seed=1):
@@ -440,8 +563,12 @@ def _initial_weights(model, seed=1):
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return [(rng.standard_normal(w.shape) * 0.05).astype(w.dtype)
-            if "float" in str(w.dtype) else w.numpy() for w in model.weights]
+    return [
+        (rng.standard_normal(w.shape) * 0.05).astype(w.dtype)
+        if "float" in str(w.dtype)
+        else w.numpy()
+        for w in model.weights
+    ]
 
 
 def _fits(mode, build, data, distributions, configurations):
@@ -456,7 +583,9 @@ def _fits(mode, build, data, distributions, configurations):
 
         keras.distribution.initialize()
     x, y = data
-    for dist_name, make_distribution in (distributions if package_mode else [("plain", None)]):
+    for dist_name, make_distribution in (
+        distributions if package_mode else [("plain", None)]
+    ):
         for precision, jit in configurations:
             name = f"{dist_name}/{precision}/jit={jit}"
             record = {"name": name, "precision": precision, "jit": jit}
@@ -464,21 +593,37 @@ def _fits(mode, build, data, distributions, configurations):
                 keras.backend.clear_session()
                 keras.config.set_dtype_policy(precision)
                 keras.distribution.set_distribution(
-                    make_distribution() if make_distribution else None)
+                    make_distribution() if make_distribution else None
+                )
                 model = build(jit)
                 weights = _initial_weights(model)
                 model.set_weights(weights)
                 if package_mode:
                     with _Fallbacks() as warned:
-                        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
-                    fallback = [m for m in warned.messages if "could not run" in m]
+                        history = model.fit(
+                            x,
+                            y,
+                            batch_size=8,
+                            epochs=3,
+                            shuffle=False,
+                            verbose=0,
+                        )
+                    fallback = [
+                        m for m in warned.messages if "could not run" in m
+                    ]
                     if fallback:
                         record["fallback"] = fallback[0][:500]
                 else:
-                    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+                    history = model.fit(
+                        x, y, batch_size=8, epochs=3, shuffle=False, verbose=0
+                    )
                 record["losses"] = [float(v) for v in history.history["loss"]]
                 record["variable_devices"] = sorted(
-                    {str(getattr(v.value, "device", "?")) for v in model.weights})
+                    {
+                        str(getattr(v.value, "device", "?"))
+                        for v in model.weights
+                    }
+                )
             except Exception:  # recorded: the driver reports it as a failed fit
                 record["error"] = traceback.format_exc()[-2000:]
             finally:
@@ -488,7 +633,11 @@ def _fits(mode, build, data, distributions, configurations):
     return fits
 
 
-_CONFIGURATIONS = [("float32", False), ("mixed_bfloat16", False), ("mixed_bfloat16", True)]
+_CONFIGURATIONS = [
+    ("float32", False),
+    ("mixed_bfloat16", False),
+    ("mixed_bfloat16", True),
+]
 
 
 def _process_facts():
@@ -514,36 +663,58 @@ def child_fit_mlp(mode):
     y = np.tanh(x @ rng.normal(size=(32, 16)).astype("float32") / 4)
 
     def build(jit):
-        model = keras.Sequential([
-            keras.Input((32,)),
-            keras.layers.Dense(128, activation="relu", name="up"),
-            keras.layers.Dense(16, name="down"),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((32,)),
+                keras.layers.Dense(128, activation="relu", name="up"),
+                keras.layers.Dense(16, name="down"),
+            ]
+        )
         model.compile(keras.optimizers.Adam(1e-3), "mse", jit_compile=jit)
         return model
 
     def model_parallel():
         devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            (len(devices),), ["model"], devices
+        )
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map[".*up/kernel"] = (None, "model")
         layout_map[".*down/kernel"] = ("model", None)
         return keras.distribution.ModelParallel(layout_map=layout_map)
 
-    distributions = [("DataParallel", keras.distribution.DataParallel),
-                     ("ModelParallel", model_parallel)]
-    fits = _fits(mode, build, (x, y), distributions,
-                 _CONFIGURATIONS[:2] if _quick() else _CONFIGURATIONS + [("float32", True)])
+    distributions = [
+        ("DataParallel", keras.distribution.DataParallel),
+        ("ModelParallel", model_parallel),
+    ]
+    fits = _fits(
+        mode,
+        build,
+        (x, y),
+        distributions,
+        _CONFIGURATIONS[:2]
+        if _quick()
+        else _CONFIGURATIONS + [("float32", True)],
+    )
     return {"fits": fits, **_process_facts()}
 
 
-TINY_LLAMA = dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=32,
-                  global_batch=16)
+TINY_LLAMA = dict(
+    vocab=256,
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    ffn=128,
+    seq=32,
+    global_batch=16,
+)
 
 
 def child_fit_llama(mode):
     import keras
     import keras_hub
+
     import llama_shapes
 
     shape = llama_shapes.Shape(**TINY_LLAMA)
@@ -556,18 +727,25 @@ def child_fit_llama(mode):
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            weighted_metrics=[], jit_compile=jit)
+            weighted_metrics=[],
+            jit_compile=jit,
+        )
         return model
 
     def model_parallel():
         devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            (1, len(devices)), ["batch", "model"], devices
+        )
         return keras.distribution.ModelParallel(
             layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
-            batch_dim_name="batch")
+            batch_dim_name="batch",
+        )
 
-    distributions = [("DataParallel", keras.distribution.DataParallel),
-                     ("ModelParallel", model_parallel)]
+    distributions = [
+        ("DataParallel", keras.distribution.DataParallel),
+        ("ModelParallel", model_parallel),
+    ]
     fits = _fits(mode, build, (x, y), distributions, _CONFIGURATIONS)
     return {"fits": fits, **_process_facts()}
 
@@ -601,8 +779,10 @@ def child_attention(mode):
     mesh = init_device_mesh("cuda", (2,))
     torch.manual_seed(0)
     batch, heads, seq, dim = 2, 8, 128, 64
-    full = [torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
-            for _ in range(3)]
+    full = [
+        torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3)
+    ]
     rows = []
     for kernel in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
         row = {"kernel": kernel}
@@ -610,24 +790,38 @@ def child_attention(mode):
             backend = getattr(SDPBackend, kernel)
             with sdpa_kernel(backend):
                 leaves = [t.clone().requires_grad_(True) for t in full]
-                reference = F.scaled_dot_product_attention(*leaves, is_causal=True)
+                reference = F.scaled_dot_product_attention(
+                    *leaves, is_causal=True
+                )
                 reference.sum().backward()
-                local = [t[:, : heads // 2].clone().requires_grad_(True) for t in full]
-                sharded = [DTensor.from_local(t, mesh, [Shard(1)], run_check=False)
-                           for t in local]
+                local = [
+                    t[:, : heads // 2].clone().requires_grad_(True)
+                    for t in full
+                ]
+                sharded = [
+                    DTensor.from_local(t, mesh, [Shard(1)], run_check=False)
+                    for t in local
+                ]
                 out = F.scaled_dot_product_attention(*sharded, is_causal=True)
                 row["output_placements"] = str(out.placements)
                 out.to_local().sum().backward()
-            diffs = [(out.to_local() - reference[:, : heads // 2]).abs().max().item()]
-            diffs += [(a.grad - b.grad[:, : heads // 2]).abs().max().item()
-                      for a, b in zip(local, leaves)]
+            diffs = [
+                (out.to_local() - reference[:, : heads // 2]).abs().max().item()
+            ]
+            diffs += [
+                (a.grad - b.grad[:, : heads // 2]).abs().max().item()
+                for a, b in zip(local, leaves)
+            ]
             row["max_abs_difference"] = max(diffs)
             row["ok"] = out.placements == (Shard(1),) and max(diffs) < 2e-2
         except Exception:  # recorded per kernel
             row["error"] = traceback.format_exc()[-1500:]
             row["ok"] = False
         rows.append(row)
-    return {"status": "ok" if all(r["ok"] for r in rows) else "mismatch", "kernels": rows}
+    return {
+        "status": "ok" if all(r["ok"] for r in rows) else "mismatch",
+        "kernels": rows,
+    }
 
 
 def child_checkpoint(mode):
@@ -642,10 +836,14 @@ def child_checkpoint(mode):
     mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[r"dense_\d+/kernel"] = (None, "model")
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
     width = 4096 if torch.cuda.is_available() else 256
-    model = keras.Sequential([keras.Input((width,))] + [
-        keras.layers.Dense(width, name=f"dense_{i}") for i in range(6)])
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, name=f"dense_{i}") for i in range(6)]
+    )
     model.compile(keras.optimizers.Adam(1e-3), "mse")
     x = np.random.default_rng(0).normal(size=(16, width)).astype("float32")
     model.fit(x, x, batch_size=16, epochs=1, verbose=0)
@@ -662,7 +860,8 @@ def child_checkpoint(mode):
         result["save_s"] = round(time.perf_counter() - start, 3)
         if cuda:
             result["save_extra_peak_mib"] = round(
-                (torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+                (torch.cuda.max_memory_allocated() - base) / 2**20, 1
+            )
         start = time.perf_counter()
         pending = ktd.checkpoint.async_save(model, os.path.join(tmp, "b"))
         result["async_save_return_s"] = round(time.perf_counter() - start, 3)
@@ -670,7 +869,9 @@ def child_checkpoint(mode):
         result["async_save_total_s"] = round(time.perf_counter() - start, 3)
         start = time.perf_counter()
         pending = ktd.checkpoint.async_save(model, os.path.join(tmp, "c"))
-        result["async_save_again_return_s"] = round(time.perf_counter() - start, 3)
+        result["async_save_again_return_s"] = round(
+            time.perf_counter() - start, 3
+        )
         pending.result()
         for w in model.weights:
             w.assign(np.zeros(w.shape, w.dtype))
@@ -678,15 +879,25 @@ def child_checkpoint(mode):
         ktd.checkpoint.load(model, os.path.join(tmp, "b"))
         result["load_s"] = round(time.perf_counter() - start, 3)
         after = [w.numpy() for w in model.weights]
-    result["round_trip_equal"] = all(np.array_equal(a, b) for a, b in zip(before, after))
+    result["round_trip_equal"] = all(
+        np.array_equal(a, b) for a, b in zip(before, after)
+    )
     result["checkpoint_mib"] = round(sum(b.nbytes for b in before) / 2**20, 1)
     if not result["round_trip_equal"]:
         result["status"] = "mismatch"
     return result
 
 
-SMALL_LLAMA = dict(vocab=8192, hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, seq=128,
-                   global_batch=8)
+SMALL_LLAMA = dict(
+    vocab=8192,
+    hidden=512,
+    layers=4,
+    heads=8,
+    kv_heads=4,
+    ffn=1536,
+    seq=128,
+    global_batch=8,
+)
 
 
 def _world_child(world):
@@ -696,10 +907,10 @@ def _world_child(world):
     _fake_world(world)
     import keras
     import keras_hub
-    import llama_shapes
     import torch
 
     import keras_torch_distribution  # noqa: F401
+    import llama_shapes
 
     size = TINY_LLAMA if _quick() else SMALL_LLAMA
     shape = llama_shapes.Shape(**dict(size, global_batch=2 * world))
@@ -707,7 +918,9 @@ def _world_child(world):
     x = llama_shapes.keras_inputs(x)
     cuda = torch.cuda.is_available()
     runs = []
-    meshes = [((world, 1), "fsdp")] + ([((world // 2, 2), "2d")] if world >= 4 else [])
+    meshes = [((world, 1), "fsdp")] + (
+        [((world // 2, 2), "2d")] if world >= 4 else []
+    )
     for mesh_shape, kind in meshes:
         prefetches = (0, 1, 2) if kind == "fsdp" else (1,)
         for prefetch in prefetches[:1] if _quick() else prefetches:
@@ -717,16 +930,29 @@ def _world_child(world):
             try:
                 keras.backend.clear_session()
                 devices = keras.distribution.list_devices()
-                mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"], devices)
-                keras.distribution.set_distribution(keras.distribution.ModelParallel(
-                    layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
-                    batch_dim_name="batch"))
+                mesh = keras.distribution.DeviceMesh(
+                    mesh_shape, ["batch", "model"], devices
+                )
+                keras.distribution.set_distribution(
+                    keras.distribution.ModelParallel(
+                        layout_map=keras_hub.models.LlamaBackbone.get_layout_map(
+                            mesh
+                        ),
+                        batch_dim_name="batch",
+                    )
+                )
                 keras.config.set_dtype_policy("mixed_bfloat16")
                 model = llama_shapes.keras_causal_lm(keras, keras_hub, shape)
-                model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                              weighted_metrics=[])
-                model.fit(x, y, batch_size=shape.global_batch, epochs=1, verbose=0)
+                model.compile(
+                    optimizer=keras.optimizers.Adam(1e-3),
+                    loss=keras.losses.SparseCategoricalCrossentropy(
+                        from_logits=True
+                    ),
+                    weighted_metrics=[],
+                )
+                model.fit(
+                    x, y, batch_size=shape.global_batch, epochs=1, verbose=0
+                )
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -734,9 +960,13 @@ def _world_child(world):
                 tracing = cuda and kind == "fsdp" and prefetch == 1
                 if tracing:
                     torch.cuda.memory._record_memory_history(max_entries=200000)
-                model.fit(x, y, batch_size=shape.global_batch, epochs=2, verbose=0)
+                model.fit(
+                    x, y, batch_size=shape.global_batch, epochs=2, verbose=0
+                )
                 if tracing:
-                    run["peak_above_start"] = live_at_peak(torch.cuda.memory._snapshot())
+                    run["peak_above_start"] = live_at_peak(
+                        torch.cuda.memory._snapshot()
+                    )
                     torch.cuda.memory._record_memory_history(enabled=None)
                 state = _state_bytes(model)
                 run.update(state)
@@ -744,12 +974,19 @@ def _world_child(world):
                 largest = _largest_block_bytes(model, mesh_shape[1])
                 # Activations of one rank's rows are not counted: small here.
                 run["expected_mib"] = round(
-                    (state["params_bytes"] * 4 + largest * (prefetch + 1)) / 2**20, 1)
+                    (state["params_bytes"] * 4 + largest * (prefetch + 1))
+                    / 2**20,
+                    1,
+                )
                 if cuda:
                     torch.cuda.synchronize()
-                    run["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                    run["peak_mib"] = round(
+                        torch.cuda.max_memory_allocated() / 2**20, 1
+                    )
                     run["steady_mib"] = round(base / 2**20, 1)
-                    run["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+                    run["alloc_retries"] = torch.cuda.memory_stats().get(
+                        "num_alloc_retries", 0
+                    )
                 else:
                     run["peak_mib"] = float("nan")
             except Exception:  # recorded per run
@@ -759,9 +996,16 @@ def _world_child(world):
                 keras.config.set_dtype_policy("float32")
             runs.append(run)
     status = "ok" if not any("error" in r for r in runs) else "failed"
-    return {"status": status, "world": world, "runs": runs,
-            **({"output": "\n".join(r["error"] for r in runs if "error" in r)}
-               if status != "ok" else {})}
+    return {
+        "status": status,
+        "world": world,
+        "runs": runs,
+        **(
+            {"output": "\n".join(r["error"] for r in runs if "error" in r)}
+            if status != "ok"
+            else {}
+        ),
+    }
 
 
 def live_at_peak(snapshot, top=10):
@@ -783,9 +1027,13 @@ def live_at_peak(snapshot, top=10):
         key = (_where(event.get("frames", [])), event.get("stream", 0))
         groups[key] = groups.get(key, 0) + event["size"]
     rows = sorted(groups.items(), key=lambda item: -item[1])[:top]
-    return {"peak_mib": round(peak / 2**20, 1),
-            "by_origin": [{"mib": round(size / 2**20, 1), "where": where, "stream": stream}
-                          for (where, stream), size in rows]}
+    return {
+        "peak_mib": round(peak / 2**20, 1),
+        "by_origin": [
+            {"mib": round(size / 2**20, 1), "where": where, "stream": stream}
+            for (where, stream), size in rows
+        ],
+    }
 
 
 def _where(frames):
@@ -810,8 +1058,11 @@ def _state_bytes(model):
 def _largest_block_bytes(model, model_axis):
     """The largest decoder block or embedding, whole on the batch axis
     (what one FSDP gather makes), in the compute dtype (bf16)."""
-    sizes = [sum(_numel(w) for w in layer.weights)
-             for layer in model.backbone.layers if layer.weights]
+    sizes = [
+        sum(_numel(w) for w in layer.weights)
+        for layer in model.backbone.layers
+        if layer.weights
+    ]
     return max(sizes) * 2 // model_axis
 
 
@@ -836,12 +1087,27 @@ def child_speed(mode):
 
     import llama_shapes
 
-    shape = llama_shapes.Shape(vocab=32000, hidden=2048, layers=16, heads=32, kv_heads=8,
-                               ffn=8192, seq=512, global_batch=4)
+    shape = llama_shapes.Shape(
+        vocab=32000,
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        ffn=8192,
+        seq=512,
+        global_batch=4,
+    )
     warmup, steps = 3, 10
     profiled = PROFILED_STEPS if mode in PROFILED_MODES else 0
-    x, y = llama_shapes.arrays(0, llama_shapes.Shape(**dict(
-        shape._asdict(), global_batch=shape.global_batch * (warmup + steps + profiled))))
+    x, y = llama_shapes.arrays(
+        0,
+        llama_shapes.Shape(
+            **dict(
+                shape._asdict(),
+                global_batch=shape.global_batch * (warmup + steps + profiled),
+            )
+        ),
+    )
     tokens = shape.global_batch * shape.seq
     if mode == "torch":
         import torch
@@ -872,20 +1138,31 @@ def child_speed(mode):
 
             keras.distribution.initialize()
             if mode.startswith("ktd_dp"):
-                keras.distribution.set_distribution(keras.distribution.DataParallel())
+                keras.distribution.set_distribution(
+                    keras.distribution.DataParallel()
+                )
             else:
                 devices = keras.distribution.list_devices()
-                mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"],
-                                                     devices)
-                keras.distribution.set_distribution(keras.distribution.ModelParallel(
-                    layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
-                    batch_dim_name="batch"))
+                mesh = keras.distribution.DeviceMesh(
+                    (1, len(devices)), ["batch", "model"], devices
+                )
+                keras.distribution.set_distribution(
+                    keras.distribution.ModelParallel(
+                        layout_map=keras_hub.models.LlamaBackbone.get_layout_map(
+                            mesh
+                        ),
+                        batch_dim_name="batch",
+                    )
+                )
         keras.config.set_dtype_policy("mixed_bfloat16")
         keras.utils.set_random_seed(0)
         model = llama_shapes.keras_causal_lm(keras, keras_hub, shape)
-        model.compile(optimizer=keras.optimizers.Adam(1e-4),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      weighted_metrics=[], jit_compile=mode.endswith("_jit"))
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-4),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[],
+            jit_compile=mode.endswith("_jit"),
+        )
         times, losses = [], []
 
         profile = {}
@@ -903,38 +1180,62 @@ def child_speed(mode):
                 losses.append(float(logs["loss"]))
 
         _reset_peak(mode)
-        model.fit(llama_shapes.keras_inputs(x), y, batch_size=shape.global_batch, epochs=1,
-                  shuffle=False, verbose=0, callbacks=[Timer()])
+        model.fit(
+            llama_shapes.keras_inputs(x),
+            y,
+            batch_size=shape.global_batch,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[Timer()],
+        )
         peak = _peak(mode)
         if "profiler" in profile:
             profile["profiler"].stop()
             averages = profile["profiler"].key_averages()
             profile = {
                 "steps": profiled,
-                "by_self_cpu": averages.table(sort_by="self_cpu_time_total", row_limit=25),
-                "by_self_cuda": averages.table(sort_by="self_device_time_total", row_limit=15),
+                "by_self_cpu": averages.table(
+                    sort_by="self_cpu_time_total", row_limit=25
+                ),
+                "by_self_cuda": averages.table(
+                    sort_by="self_device_time_total", row_limit=15
+                ),
             }
-    step_s = float(np.median(times[warmup:warmup + steps]))
+    step_s = float(np.median(times[warmup : warmup + steps]))
     flops = 6 * shape.parameters() * tokens
     peak_flops = _peak_flops()
-    return {"mode": mode, "parameters": shape.parameters(), "tokens_per_step": tokens,
-            "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s,
-            "mfu": flops / step_s / peak_flops if peak_flops else None,
-            "peak_mib": peak / 2**20 if peak else None,
-            "losses": losses[:warmup + 2], "first_step_ms": times[0] * 1e3,
-            **({"profile": profile} if mode != "torch" and profile else {})}
+    return {
+        "mode": mode,
+        "parameters": shape.parameters(),
+        "tokens_per_step": tokens,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": tokens / step_s,
+        "mfu": flops / step_s / peak_flops if peak_flops else None,
+        "peak_mib": peak / 2**20 if peak else None,
+        "losses": losses[: warmup + 2],
+        "first_step_ms": times[0] * 1e3,
+        **({"profile": profile} if mode != "torch" and profile else {}),
+    }
 
 
 # KTD_GPU_CHECK_PROFILE=1: a torch profile of PROFILED_STEPS more steps of
 # these modes (after the timed ones) in the result.
-PROFILED_MODES = ("keras", "ktd_dp") if os.environ.get("KTD_GPU_CHECK_PROFILE") == "1" else ()
+PROFILED_MODES = (
+    ("keras", "ktd_dp")
+    if os.environ.get("KTD_GPU_CHECK_PROFILE") == "1"
+    else ()
+)
 PROFILED_STEPS = 3
 
 
 def _start_profiler():
     import torch
 
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    activities = [
+        torch.profiler.ProfilerActivity.CPU,
+        torch.profiler.ProfilerActivity.CUDA,
+    ]
     profiler = torch.profiler.profile(activities=activities)
     profiler.start()
     return profiler

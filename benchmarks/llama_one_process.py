@@ -43,8 +43,11 @@ def _rows_cross_entropy(target, output, from_logits=False, axis=-1):
     if not from_logits or axis != -1 or output.dim() < 2:
         raise ValueError("the keras-xent experiment covers logits, axis=-1")
     target = torch.as_tensor(target).long()
-    losses = F.cross_entropy(output.reshape(-1, output.shape[-1]),
-                             target.reshape(-1), reduction="none")
+    losses = F.cross_entropy(
+        output.reshape(-1, output.shape[-1]),
+        target.reshape(-1),
+        reduction="none",
+    )
     return losses.reshape(output.shape[:-1])
 
 
@@ -57,15 +60,18 @@ def _keras_step(mode):
         torch_nn.sparse_categorical_crossentropy = _rows_cross_entropy
     import keras
     import keras_hub
-    import llama_shapes
     import torch
+
+    import llama_shapes
 
     keras.utils.set_random_seed(0)
     model = llama_shapes.keras_causal_lm(keras, keras_hub)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        weighted_metrics=[], jit_compile=(mode == "keras-jit"))
+        weighted_metrics=[],
+        jit_compile=(mode == "keras-jit"),
+    )
     x, y = llama_shapes.arrays()
     rows = llama_shapes.GLOBAL_BATCH // 2
     x = llama_shapes.keras_inputs(x[:rows])
@@ -78,8 +84,9 @@ def _keras_step(mode):
 
 
 def _torch_step():
-    import llama_shapes
     import torch
+
+    import llama_shapes
 
     torch.manual_seed(0)
     model = llama_shapes.torch_causal_lm()
@@ -117,11 +124,20 @@ def worker(mode, steps, profile):
         stats.sort_stats("tottime").print_stats(60)
         stats.sort_stats("cumulative").print_stats(80)
         os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-        with open(os.path.join(HERE, "results", f"llama_one_process_{mode}.txt"), "w") as f:
+        with open(
+            os.path.join(HERE, "results", f"llama_one_process_{mode}.txt"), "w"
+        ) as f:
             f.write(f"10 steps, {mode}\n{out.getvalue()}")
-    print(json.dumps({"mode": mode, "wall_ms": statistics.median(wall),
-                      "cpu_ms": statistics.median(cpu),
-                      "loadavg": os.getloadavg()[0]}))
+    print(
+        json.dumps(
+            {
+                "mode": mode,
+                "wall_ms": statistics.median(wall),
+                "cpu_ms": statistics.median(cpu),
+                "loadavg": os.getloadavg()[0],
+            }
+        )
+    )
 
 
 def main():
@@ -135,15 +151,31 @@ def main():
     if args.worker:
         worker(args.worker, args.steps, args.profile == args.worker)
         return
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1",
-               TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="torch",
+        OMP_NUM_THREADS="1",
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
     results = {}
     for _ in range(args.pairs):
         for mode in args.modes.split(","):
             out = subprocess.run(
-                [sys.executable, __file__, "--worker", mode, "--steps", str(args.steps)]
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    mode,
+                    "--steps",
+                    str(args.steps),
+                ]
                 + (["--profile", args.profile] if args.profile else []),
-                env=env, capture_output=True, text=True, timeout=600, check=True)
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=True,
+            )
             line = json.loads(out.stdout.strip().splitlines()[-1])
             results.setdefault(mode, []).append(line)
             print(line, flush=True)
@@ -153,8 +185,10 @@ def main():
         wall = statistics.median(r["wall_ms"] for r in lines)
         ratio = ""
         if base and mode != "torch":
-            ratio = (f"  / torch: wall {wall / statistics.median(r['wall_ms'] for r in base):.2f}"
-                     f" cpu {cpu / statistics.median(r['cpu_ms'] for r in base):.2f}")
+            ratio = (
+                f"  / torch: wall {wall / statistics.median(r['wall_ms'] for r in base):.2f}"
+                f" cpu {cpu / statistics.median(r['cpu_ms'] for r in base):.2f}"
+            )
         print(f"{mode:10s} wall {wall:7.1f} ms  cpu {cpu:7.1f} ms{ratio}")
 
 

@@ -30,7 +30,9 @@ class Shape(NamedTuple):
     def parameters(self):
         """Parameters of both models (untied embedding and output)."""
         head_dim = self.hidden // self.heads
-        attention = self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)
+        attention = (
+            self.hidden * head_dim * (2 * self.heads + 2 * self.kv_heads)
+        )
         block = attention + 3 * self.hidden * self.ffn + 2 * self.hidden
         return 2 * self.vocab * self.hidden + self.layers * block + self.hidden
 
@@ -44,22 +46,29 @@ def arrays(seed=0, shape=TINY):
     """Token ids of the global batch: inputs (global_batch, seq) and the
     next-token targets."""
     ids = np.random.default_rng(seed).integers(
-        1, shape.vocab, (shape.global_batch, shape.seq + 1))
+        1, shape.vocab, (shape.global_batch, shape.seq + 1)
+    )
     return ids[:, :-1].astype("int32"), ids[:, 1:].astype("int32")
 
 
 def keras_causal_lm(keras, keras_hub, shape=TINY):
     backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=shape.vocab, num_layers=shape.layers,
-        num_query_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        hidden_dim=shape.hidden, intermediate_dim=shape.ffn,
+        vocabulary_size=shape.vocab,
+        num_layers=shape.layers,
+        num_query_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        hidden_dim=shape.hidden,
+        intermediate_dim=shape.ffn,
         layer_norm_epsilon=EPS,
     )
     return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
 
 
 def keras_inputs(token_ids):
-    return {"token_ids": token_ids, "padding_mask": np.ones(token_ids.shape, bool)}
+    return {
+        "token_ids": token_ids,
+        "padding_mask": np.ones(token_ids.shape, bool),
+    }
 
 
 def torch_causal_lm(shape=TINY):
@@ -84,7 +93,9 @@ def torch_causal_lm(shape=TINY):
             self.query = nn.Linear(HIDDEN, HEADS * head_dim, bias=False)
             self.key = nn.Linear(HIDDEN, KV_HEADS * head_dim, bias=False)
             self.value = nn.Linear(HIDDEN, KV_HEADS * head_dim, bias=False)
-            self.attention_output = nn.Linear(HEADS * head_dim, HIDDEN, bias=False)
+            self.attention_output = nn.Linear(
+                HEADS * head_dim, HIDDEN, bias=False
+            )
             self.ffn_norm = nn.RMSNorm(HIDDEN, eps=EPS)
             self.gate = nn.Linear(HIDDEN, FFN, bias=False)
             self.up = nn.Linear(HIDDEN, FFN, bias=False)
@@ -97,8 +108,12 @@ def torch_causal_lm(shape=TINY):
             k = self.key(h).view(b, t, KV_HEADS, head_dim).transpose(1, 2)
             v = self.value(h).view(b, t, KV_HEADS, head_dim).transpose(1, 2)
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + self.attention_output(attention.transpose(1, 2).reshape(b, t, HIDDEN))
+            attention = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            )
+            x = x + self.attention_output(
+                attention.transpose(1, 2).reshape(b, t, HIDDEN)
+            )
             h = self.ffn_norm(x)
             return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
@@ -109,7 +124,9 @@ def torch_causal_lm(shape=TINY):
             self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
             self.norm = nn.RMSNorm(HIDDEN, eps=EPS)
             self.output = nn.Linear(HIDDEN, VOCAB, bias=False)
-            inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+            inverse = 1.0 / (
+                10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+            )
             angles = torch.outer(torch.arange(SEQ).float(), inverse)
             angles = torch.cat([angles, angles], dim=-1)
             self.register_buffer("cos", angles.cos(), persistent=False)
@@ -133,7 +150,9 @@ def torch_train_step(model, optimizer, x, y):
     def step():
         optimizer.zero_grad(set_to_none=True)
         logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+        )
         loss.backward()
         optimizer.step()
         step.last_loss = loss

@@ -76,7 +76,9 @@ def _keras_worker(steps, warmup):
     )
     layout_map = _launch.megatron_mlp_layout_map(keras, mesh, LAYERS)
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
     )
     keras.utils.set_random_seed(0)
     inputs = keras.Input(shape=(WIDTH,))
@@ -89,7 +91,9 @@ def _keras_worker(steps, warmup):
     model = keras.Model(inputs, h)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     x, y = _data()
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, steps_per_epoch=1, verbose=0)
+    model.fit(
+        x, y, batch_size=GLOBAL_BATCH, epochs=1, steps_per_epoch=1, verbose=0
+    )
     model.make_train_function()
     function = model.train_function
     batch = [(torch.as_tensor(x), torch.as_tensor(y))]
@@ -103,13 +107,16 @@ def _keras_worker(steps, warmup):
     param_bytes = sum(_local_bytes(v.value) for v in model.trainable_variables)
     state_bytes = sum(_local_bytes(v.value) for v in model.optimizer.variables)
     sharded = {
-        v.path: type(v.value).__name__ for v in model.optimizer.variables
+        v.path: type(v.value).__name__
+        for v in model.optimizer.variables
         if len(v.shape) > 0
     }
     result = _launch.summary(times)
     result.update(
-        rank=rank, keras=keras.__version__,
-        param_bytes=param_bytes, optimizer_state_bytes=state_bytes,
+        rank=rank,
+        keras=keras.__version__,
+        param_bytes=param_bytes,
+        optimizer_state_bytes=state_bytes,
         full_param_bytes=sum(
             int(v.value.numel()) * 4 for v in model.trainable_variables
         ),
@@ -137,11 +144,15 @@ def _torch_worker(steps, warmup):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("model",))
+    mesh = init_device_mesh(
+        "cpu", (dist.get_world_size(),), mesh_dim_names=("model",)
+    )
     torch.manual_seed(0)
     modules, plan = [], {}
     for i in range(LAYERS):
-        plan[str(len(modules))] = ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+        plan[str(len(modules))] = (
+            ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+        )
         modules.append(nn.Linear(WIDTH, WIDTH))
         if i < LAYERS - 1:
             modules.append(nn.ReLU())
@@ -160,7 +171,9 @@ def _torch_worker(steps, warmup):
     )
     result = _launch.summary(times)
     result.update(
-        rank=rank, param_bytes=param_bytes, optimizer_state_bytes=state_bytes,
+        rank=rank,
+        param_bytes=param_bytes,
+        optimizer_state_bytes=state_bytes,
         full_param_bytes=sum(p.numel() * 4 for p in model.parameters()),
         final_loss=float(step.last_loss),
     )
@@ -184,45 +197,65 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
     env = {"BENCH_STEPS": str(args.steps), "BENCH_WARMUP": str(args.warmup)}
-    print(f"model parallel: {LAYERS} x Dense({WIDTH}) MLP, Adam, batch "
-          f"{GLOBAL_BATCH} on every rank, 2 processes, {args.steps} timed "
-          f"steps after {args.warmup}", flush=True)
+    print(
+        f"model parallel: {LAYERS} x Dense({WIDTH}) MLP, Adam, batch "
+        f"{GLOBAL_BATCH} on every rank, 2 processes, {args.steps} timed "
+        f"steps after {args.warmup}",
+        flush=True,
+    )
     runs = {}
     for case in ("keras_mp", "torch_tp"):
         runs[case] = _launch.launch(
             os.path.abspath(__file__), case, 2, timeout=150, extra_env=env
         )
-    step_ms = {case: max(r["median_ms"] for r in ranks) for case, ranks in runs.items()}
+    step_ms = {
+        case: max(r["median_ms"] for r in ranks) for case, ranks in runs.items()
+    }
     memory = {
         case: {
             "param_bytes_per_rank": [r["param_bytes"] for r in ranks],
-            "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
+            "optimizer_state_bytes_per_rank": [
+                r["optimizer_state_bytes"] for r in ranks
+            ],
             "full_param_bytes": ranks[0]["full_param_bytes"],
         }
         for case, ranks in runs.items()
     }
     keras_total = max(
-        p + s for p, s in zip(memory["keras_mp"]["param_bytes_per_rank"],
-                              memory["keras_mp"]["optimizer_state_bytes_per_rank"])
+        p + s
+        for p, s in zip(
+            memory["keras_mp"]["param_bytes_per_rank"],
+            memory["keras_mp"]["optimizer_state_bytes_per_rank"],
+        )
     )
     torch_total = max(
-        p + s for p, s in zip(memory["torch_tp"]["param_bytes_per_rank"],
-                              memory["torch_tp"]["optimizer_state_bytes_per_rank"])
+        p + s
+        for p, s in zip(
+            memory["torch_tp"]["param_bytes_per_rank"],
+            memory["torch_tp"]["optimizer_state_bytes_per_rank"],
+        )
     )
     ratios = {
-        "keras_mp_over_torch_tp_step": step_ms["keras_mp"] / step_ms["torch_tp"],
-        "keras_mp_over_torch_tp_param_plus_state_bytes": keras_total / torch_total,
+        "keras_mp_over_torch_tp_step": step_ms["keras_mp"]
+        / step_ms["torch_tp"],
+        "keras_mp_over_torch_tp_param_plus_state_bytes": keras_total
+        / torch_total,
     }
     payload = {
         "benchmark": "model_parallel",
         "machine": dict(_launch.machine(), keras=runs["keras_mp"][0]["keras"]),
-        "model": {"layers": LAYERS, "width": WIDTH, "batch_on_every_rank": GLOBAL_BATCH,
-                  "optimizer": "Adam", "loss": "mse",
-                  "mesh": "keras: (1, 2) ['batch', 'model'], batch axis 'batch'; "
-                          "torch: (2,) ['model']"},
+        "model": {
+            "layers": LAYERS,
+            "width": WIDTH,
+            "batch_on_every_rank": GLOBAL_BATCH,
+            "optimizer": "Adam",
+            "loss": "mse",
+            "mesh": "keras: (1, 2) ['batch', 'model'], batch axis 'batch'; "
+            "torch: (2,) ['model']",
+        },
         "timing": "Keras: model.train_function([(x, y)]) on a prebuilt batch; "
-                  "torch: zero_grad/forward/backward/step. Median of timed steps "
-                  "after warm-up, slower rank.",
+        "torch: zero_grad/forward/backward/step. Median of timed steps "
+        "after warm-up, slower rank.",
         "step_ms": step_ms,
         "memory": memory,
         "ratios": ratios,
@@ -230,11 +263,13 @@ def main():
     }
     for case, ms in step_ms.items():
         m = memory[case]
-        print(f"  {case:9} median step {ms:8.2f} ms   params/rank "
-              f"{[round(b / 2**20, 2) for b in m['param_bytes_per_rank']]} MiB   "
-              f"optimizer state/rank "
-              f"{[round(b / 2**20, 2) for b in m['optimizer_state_bytes_per_rank']]} MiB"
-              f"   (full params {m['full_param_bytes'] / 2**20:.2f} MiB)")
+        print(
+            f"  {case:9} median step {ms:8.2f} ms   params/rank "
+            f"{[round(b / 2**20, 2) for b in m['param_bytes_per_rank']]} MiB   "
+            f"optimizer state/rank "
+            f"{[round(b / 2**20, 2) for b in m['optimizer_state_bytes_per_rank']]} MiB"
+            f"   (full params {m['full_param_bytes'] / 2**20:.2f} MiB)"
+        )
     for name, value in ratios.items():
         print(f"  {name:46} {value:.3f}")
     _launch.save("model_parallel", payload)

@@ -117,7 +117,9 @@ def _layer_cost(case, patch, rank, iterations=40):
     else:
         rows = MLP_BATCH // 2
         x = torch.randn(rows, WIDTH, requires_grad=True)
-        seed = keras.random.SeedGenerator(1) if case == "dropout_seeded" else None
+        seed = (
+            keras.random.SeedGenerator(1) if case == "dropout_seeded" else None
+        )
 
         def op():
             return keras.random.dropout(x, 0.1, seed=seed)
@@ -166,12 +168,16 @@ def _worker(case):
     rng = np.random.default_rng(0)
     if case == "batchnorm":
         batch = CNN_BATCH
-        x = rng.standard_normal((batch * (warmup + steps), 32, 32, 3)).astype("float32")
+        x = rng.standard_normal((batch * (warmup + steps), 32, 32, 3)).astype(
+            "float32"
+        )
         y = rng.standard_normal((len(x), 10)).astype("float32")
         make, patch = (lambda: _cnn(keras)), "BatchNormalization._moments"
     else:
         batch = MLP_BATCH
-        x = rng.standard_normal((batch * (warmup + steps), WIDTH)).astype("float32")
+        x = rng.standard_normal((batch * (warmup + steps), WIDTH)).astype(
+            "float32"
+        )
         y = rng.standard_normal((len(x), WIDTH)).astype("float32")
         seeded = case == "dropout_seeded"
         make, patch = (lambda: _mlp(keras, seeded)), "random.dropout"
@@ -193,11 +199,23 @@ def _worker(case):
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
         timer = StepTimer()
         dist.barrier()
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[timer])
+        model.fit(
+            x,
+            y,
+            batch_size=batch,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[timer],
+        )
         return model, timer.times[warmup:]
 
-    result = {"rank": rank, "feature_ms": [], "without_ms": [], "broadcast_ms": []}
+    result = {
+        "rank": rank,
+        "feature_ms": [],
+        "without_ms": [],
+        "broadcast_ms": [],
+    }
     result.update(_layer_cost(case, patch, rank))
     for round_ in range(repeats):
         # Alternate which variant goes first: a round's first fit may pay
@@ -216,7 +234,9 @@ def _worker(case):
             result["broadcast_ms"].append(1e3 * (time.perf_counter() - start))
     result["parameters"] = int(sum(np.prod(v.shape) for v in model.weights))
     result["parameter_bytes"] = int(
-        sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.weights)
+        sum(
+            np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.weights
+        )
     )
     result["keras"] = keras.__version__
     _launch.write_rank_result(result)
@@ -237,7 +257,9 @@ def main():
     }
     cases = {}
     for case in ("dropout_unseeded", "dropout_seeded", "batchnorm"):
-        ranks = _launch.launch(os.path.abspath(__file__), case, 2, timeout=900, extra_env=env)
+        ranks = _launch.launch(
+            os.path.abspath(__file__), case, 2, timeout=900, extra_env=env
+        )
         rounds = len(ranks[0]["feature_ms"])
         feature = statistics.median(
             max(r["feature_ms"][i] for r in ranks) for i in range(rounds)
@@ -255,31 +277,55 @@ def main():
             # Paired, interleaved measurement of one layer (see _layer_cost),
             # times the model's 3 such layers: the per-step cost.
             "layer_ms": round(max(r["layer_ms"] for r in ranks), 3),
-            "layer_without_ms": round(max(r["layer_without_ms"] for r in ranks), 3),
+            "layer_without_ms": round(
+                max(r["layer_without_ms"] for r in ranks), 3
+            ),
             "per_step_cost_from_layers_ms": round(3 * layer_cost, 3),
-            "per_step_cost_from_layers_ratio": round(1 + 3 * layer_cost / without, 4),
+            "per_step_cost_from_layers_ratio": round(
+                1 + 3 * layer_cost / without, 4
+            ),
             "broadcast_once_ms": round(broadcast, 3),
             "broadcast_over_step": round(broadcast / feature, 4),
             "parameters": ranks[0]["parameters"],
             "parameter_bytes": ranks[0]["parameter_bytes"],
-            "loadavg_1min": [ranks[0]["loadavg_1min_before"], ranks[0]["loadavg_1min_after"]],
-            "rounds": {r["rank"]: {k: r[k] for k in ("feature_ms", "without_ms", "broadcast_ms")}
-                       for r in ranks},
+            "loadavg_1min": [
+                ranks[0]["loadavg_1min_before"],
+                ranks[0]["loadavg_1min_after"],
+            ],
+            "rounds": {
+                r["rank"]: {
+                    k: r[k]
+                    for k in ("feature_ms", "without_ms", "broadcast_ms")
+                }
+                for r in ranks
+            },
         }
-        print(f"{case}: step {feature:.2f} ms vs {without:.2f} ms without "
-              f"({feature / without:.3f}x); 3 layers cost {3 * layer_cost:.2f} ms "
-              f"per step ({1 + 3 * layer_cost / without:.3f}x); broadcast once "
-              f"{broadcast:.2f} ms", flush=True)
+        print(
+            f"{case}: step {feature:.2f} ms vs {without:.2f} ms without "
+            f"({feature / without:.3f}x); 3 layers cost {3 * layer_cost:.2f} ms "
+            f"per step ({1 + 3 * layer_cost / without:.3f}x); broadcast once "
+            f"{broadcast:.2f} ms",
+            flush=True,
+        )
     payload = {
         "benchmark": "one_device_numbers",
         "machine": dict(_launch.machine(), keras=ranks[0]["keras"]),
         "processes": 2,
         "distribution": "DataParallel",
-        "mlp": {"layers": LAYERS, "width": WIDTH, "global_batch": MLP_BATCH,
-                "dropout": "0.1 after each hidden layer"},
-        "cnn": {"input": [32, 32, 3], "blocks": "3 x Conv2D(32, 3) + BatchNormalization + ReLU",
-                "global_batch": CNN_BATCH},
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "mlp": {
+            "layers": LAYERS,
+            "width": WIDTH,
+            "global_batch": MLP_BATCH,
+            "dropout": "0.1 after each hidden layer",
+        },
+        "cnn": {
+            "input": [32, 32, 3],
+            "blocks": "3 x Conv2D(32, 3) + BatchNormalization + ReLU",
+            "global_batch": CNN_BATCH,
+        },
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
         "cases": cases,
     }
     _launch.save("one_device_numbers", payload)

@@ -70,10 +70,28 @@ from fsdp import _reset_vm_hwm  # noqa: E402
 from fsdp import _vm_hwm_bytes as _vm_hwm  # noqa: E402
 
 CONFIGS = {
-    "full": dict(vocab=32000, hidden=2048, heads=16, kv_heads=16,
-                 intermediate=5632, layers=8, seq=64, batch=4, steps=3),
-    "quick": dict(vocab=4096, hidden=256, heads=4, kv_heads=4,
-                  intermediate=704, layers=2, seq=16, batch=4, steps=3),
+    "full": dict(
+        vocab=32000,
+        hidden=2048,
+        heads=16,
+        kv_heads=16,
+        intermediate=5632,
+        layers=8,
+        seq=64,
+        batch=4,
+        steps=3,
+    ),
+    "quick": dict(
+        vocab=4096,
+        hidden=256,
+        heads=4,
+        kv_heads=4,
+        intermediate=704,
+        layers=2,
+        seq=16,
+        batch=4,
+        steps=3,
+    ),
 }
 ALLOCATORS = {
     "default": {},
@@ -125,7 +143,9 @@ class Sampler:
 
     def _run(self):
         limit = int(os.environ.get("BENCH_RSS_LIMIT", "0"))
-        deadline = time.monotonic() + float(os.environ.get("BENCH_DEADLINE", "1e9"))
+        deadline = time.monotonic() + float(
+            os.environ.get("BENCH_DEADLINE", "1e9")
+        )
         while not self._stop.is_set():
             rss = self.rss()
             if (limit and rss > limit) or time.monotonic() > deadline:
@@ -134,7 +154,8 @@ class Sampler:
                 # takes the machine's memory (or time) from other work.
                 sys.stderr.write(
                     f"scale.py: rank stopped itself: RSS {rss / 2**30:.2f} GiB "
-                    f"(limit {limit / 2**30:.2f} GiB) or past its deadline\n")
+                    f"(limit {limit / 2**30:.2f} GiB) or past its deadline\n"
+                )
                 sys.stderr.flush()
                 os._exit(3)
             with self._lock:
@@ -193,16 +214,28 @@ class Phases:
         result = action()
         self.seconds[name] = time.perf_counter() - started
         self.peaks[name] = self.sampler.end_phase() - self.baseline
-        self.marks[name] = [(label, peak - self.baseline, rss - self.baseline, heap)
-                            for label, peak, rss, heap in self.sampler.marks]
-        _write_partial(dict(self.more(), case=self.case, rank=self.rank,
-                            peak_above_baseline=self.peaks, seconds=self.seconds))
+        self.marks[name] = [
+            (label, peak - self.baseline, rss - self.baseline, heap)
+            for label, peak, rss, heap in self.sampler.marks
+        ]
+        _write_partial(
+            dict(
+                self.more(),
+                case=self.case,
+                rank=self.rank,
+                peak_above_baseline=self.peaks,
+                seconds=self.seconds,
+            )
+        )
         return result
 
 
 def _storage_key(tensor):
     try:
-        return tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+        return (
+            tensor.untyped_storage().data_ptr(),
+            tensor.untyped_storage().nbytes(),
+        )
     except (RuntimeError, NotImplementedError):
         return id(tensor), 0
 
@@ -241,7 +274,9 @@ def live_tensors(named):
     others.sort(reverse=True)
     return {
         "bytes_by_kind": kinds,
-        "largest_other": [{"bytes": n, "shape": list(s)} for n, s in others[:8]],
+        "largest_other": [
+            {"bytes": n, "shape": list(s)} for n, s in others[:8]
+        ],
     }
 
 
@@ -249,8 +284,11 @@ def _named_storages(model_tensors, optimizer_tensors, grads):
     from torch.distributed.tensor import DTensor
 
     named = {}
-    for kind, items in (("model", model_tensors), ("optimizer", optimizer_tensors),
-                        ("grad", grads)):
+    for kind, items in (
+        ("model", model_tensors),
+        ("optimizer", optimizer_tensors),
+        ("grad", grads),
+    ):
         for t in items:
             if t is None:
                 continue
@@ -305,7 +343,9 @@ class SavedForBackward:
         return {
             "kept_bytes": sum(n for n, _ in items),
             "kept_tensors": len(items),
-            "kept_largest": [{"bytes": n, "shape": list(s)} for n, s in items[:12]],
+            "kept_largest": [
+                {"bytes": n, "shape": list(s)} for n, s in items[:12]
+            ],
             "regather_tokens": self.tokens,
             "regather_token_view_bytes": self.token_bytes,
         }
@@ -318,9 +358,12 @@ class SavedForBackward:
 
 def _llama(keras, keras_hub, c):
     backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=c["vocab"], num_layers=c["layers"],
-        num_query_heads=c["heads"], num_key_value_heads=c["kv_heads"],
-        hidden_dim=c["hidden"], intermediate_dim=c["intermediate"],
+        vocabulary_size=c["vocab"],
+        num_layers=c["layers"],
+        num_query_heads=c["heads"],
+        num_key_value_heads=c["kv_heads"],
+        hidden_dim=c["hidden"],
+        intermediate_dim=c["intermediate"],
     )
     model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
     model.compile(
@@ -335,9 +378,12 @@ def _data(c, steps):
     import numpy as np
 
     ids = np.random.default_rng(0).integers(
-        1, c["vocab"], (c["batch"] * steps, c["seq"] + 1))
-    x = {"token_ids": ids[:, :-1].astype("int32"),
-         "padding_mask": np.ones((len(ids), c["seq"]), "int32")}
+        1, c["vocab"], (c["batch"] * steps, c["seq"] + 1)
+    )
+    x = {
+        "token_ids": ids[:, :-1].astype("int32"),
+        "padding_mask": np.ones((len(ids), c["seq"]), "int32"),
+    }
     return x, ids[:, 1:].astype("int32")
 
 
@@ -346,7 +392,9 @@ def _write_partial(result):
     launch stopped before its end."""
     directory = os.environ.get("BENCH_PARTIAL")
     if directory:
-        with open(os.path.join(directory, f"rank{result['rank']}.json"), "w") as f:
+        with open(
+            os.path.join(directory, f"rank{result['rank']}.json"), "w"
+        ) as f:
             json.dump(result, f)
 
 
@@ -357,9 +405,21 @@ def _heap():
     import ctypes
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-            "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -367,8 +427,12 @@ def _heap():
     except (OSError, AttributeError):
         return {}
     info = libc.mallinfo2()
-    return dict(heap=info.arena, heap_in_use=info.uordblks,
-                heap_free=info.fordblks, mmapped=info.hblkhd)
+    return dict(
+        heap=info.arena,
+        heap_in_use=info.uordblks,
+        heap_free=info.fordblks,
+        mmapped=info.hblkhd,
+    )
 
 
 def _mark_groups(sampler):
@@ -422,13 +486,18 @@ def keras_worker():
     keras.distribution.initialize()
     rank, world = dist.get_rank(), dist.get_world_size()
     devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((world, 1), ["batch", "model"], devices)
+    mesh = keras.distribution.DeviceMesh(
+        (world, 1), ["batch", "model"], devices
+    )
     layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
     if os.environ.get("BENCH_SHARD_REVERSE", "1") == "1":
         # The key keras_hub's map lacks (the package's warning names it).
         layout_map["token_embedding/reverse_embeddings"] = ("batch", "model")
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
     keras.utils.set_random_seed(0)
     x, y = _data(c, c["steps"])
     x1, y1 = _data(c, 1)
@@ -441,17 +510,28 @@ def keras_worker():
     if os.environ.get("BENCH_MARK_GROUPS"):
         _mark_groups(sampler)
     census, losses = {}, {}
-    phases = Phases(sampler, "keras", rank, more=lambda: dict(
-        marks=phases.marks, census=census,
-        saved_for_backward=saved.summary() if saved is not None else None))
+    phases = Phases(
+        sampler,
+        "keras",
+        rank,
+        more=lambda: dict(
+            marks=phases.marks,
+            census=census,
+            saved_for_backward=saved.summary() if saved is not None else None,
+        ),
+    )
     phase, baseline = phases.run, phases.baseline
 
     def named(model):
         optimizer = model.optimizer
-        opt_vars = [v.value for v in optimizer.variables] if optimizer.built else []
+        opt_vars = (
+            [v.value for v in optimizer.variables] if optimizer.built else []
+        )
         return _named_storages(
-            [v.value for v in model.variables], opt_vars,
-            [getattr(v.value, "grad", None) for v in model.trainable_variables])
+            [v.value for v in model.variables],
+            opt_vars,
+            [getattr(v.value, "grad", None) for v in model.trainable_variables],
+        )
 
     trim = _malloc_trim if os.environ.get("BENCH_TRIM") else (lambda: None)
 
@@ -485,11 +565,22 @@ def keras_worker():
     census["build"] = live_tensors(named(model))
     instrument(model)
     # (Keras' History callback refers to the model: keep only its numbers.)
-    losses["fit"] = phase("fit", lambda: model.fit(
-        x, y, batch_size=c["batch"], epochs=1, shuffle=False, verbose=0,
-        callbacks=[Marks()]).history["loss"])
+    losses["fit"] = phase(
+        "fit",
+        lambda: model.fit(
+            x,
+            y,
+            batch_size=c["batch"],
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[Marks()],
+        ).history["loss"],
+    )
     census["fit"] = live_tensors(named(model))
-    phase("save", lambda: checkpoint.save(model, path, extra={"step": c["steps"]}))
+    phase(
+        "save", lambda: checkpoint.save(model, path, extra={"step": c["steps"]})
+    )
     census["save"] = live_tensors(named(model))
     local_state = _keras_state_bytes(model)
     full_params = sum(int(v.value.numel()) for v in model.trainable_variables)
@@ -502,7 +593,8 @@ def keras_worker():
         if first() is not None:
             raise RuntimeError(
                 "the first model is still referenced after `del`: "
-                + ", ".join(type(r).__name__ for r in gc.get_referrers(first())))
+                + ", ".join(type(r).__name__ for r in gc.get_referrers(first()))
+            )
         marks_before = sampler.rss() - baseline
         keras.utils.set_random_seed(1)
         new = _llama(keras, keras_hub, c)
@@ -512,26 +604,48 @@ def keras_worker():
 
     model, extra, after_delete = phase("load", fresh_and_load)
     census["load"] = live_tensors(named(model))
-    losses["resume"] = phase("resume", lambda: model.fit(
-        x1, y1, batch_size=c["batch"], epochs=1, shuffle=False, verbose=0,
-        callbacks=[Marks()]).history["loss"])
+    losses["resume"] = phase(
+        "resume",
+        lambda: model.fit(
+            x1,
+            y1,
+            batch_size=c["batch"],
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[Marks()],
+        ).history["loss"],
+    )
     census["resume"] = live_tensors(named(model))
     sampler.stop()
     import importlib
 
     report = importlib.import_module("keras_torch_distribution.report")
     whole = [
-        {"path": row["path"], "shape": list(row["shape"]), "bytes": row["bytes"]}
+        {
+            "path": row["path"],
+            "shape": list(row["shape"]),
+            "bytes": row["bytes"],
+        }
         for row in report.shard_table(model)
         if row["kind"] == "param" and row["layout"] == "replicated"
     ]
     result = dict(
-        case="keras", rank=rank, world=world, baseline_rss_bytes=baseline,
-        peak_above_baseline=phases.peaks, seconds=phases.seconds, marks=phases.marks,
+        case="keras",
+        rank=rank,
+        world=world,
+        baseline_rss_bytes=baseline,
+        peak_above_baseline=phases.peaks,
+        seconds=phases.seconds,
+        marks=phases.marks,
         census=census,
-        rss_after_deleting_first_model=after_delete, losses=losses,
-        extra_loaded=extra, params=full_params, local_state_bytes=local_state,
-        replicated_params=whole, keras=keras.__version__,
+        rss_after_deleting_first_model=after_delete,
+        losses=losses,
+        extra_loaded=extra,
+        params=full_params,
+        local_state_bytes=local_state,
+        replicated_params=whole,
+        keras=keras.__version__,
         saved_for_backward=saved.summary() if saved is not None else None,
     )
     _launch.write_rank_result(result)
@@ -542,8 +656,12 @@ def keras_worker():
 def _keras_state_bytes(model):
     from keras_torch_distribution.variables import born_sharded
 
-    weights = sum(born_sharded.local_bytes(v) for v in model.trainable_variables)
-    optimizer = sum(born_sharded.local_bytes(v) for v in model.optimizer.variables)
+    weights = sum(
+        born_sharded.local_bytes(v) for v in model.trainable_variables
+    )
+    optimizer = sum(
+        born_sharded.local_bytes(v) for v in model.optimizer.variables
+    )
     return {"weights": weights, "optimizer": optimizer}
 
 
@@ -573,7 +691,9 @@ def torch_llama(c):
     def rope(x):
         # x: (batch, heads, seq, head_dim)
         seq, dim = x.shape[-2], x.shape[-1]
-        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        inv = 1.0 / (
+            10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        )
         angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
         cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
         half = dim // 2
@@ -601,8 +721,12 @@ def torch_llama(c):
             k = self.k(y).view(b, s, c["kv_heads"], head_dim).transpose(1, 2)
             v = self.v(y).view(b, s, c["kv_heads"], head_dim).transpose(1, 2)
             attention = F.scaled_dot_product_attention(
-                rope(q), rope(k), v, is_causal=True,
-                enable_gqa=c["kv_heads"] != c["heads"])
+                rope(q),
+                rope(k),
+                v,
+                is_causal=True,
+                enable_gqa=c["kv_heads"] != c["heads"],
+            )
             x = x + self.o(attention.transpose(1, 2).reshape(b, s, -1))
             y = self.mlp_norm(x)
             return x + self.down(F.silu(self.gate(y)) * self.up(y))
@@ -645,8 +769,10 @@ def torch_worker():
 
     def rows(step):
         lo = step * c["batch"] + rank * per
-        return (torch.as_tensor(x_all["token_ids"][lo:lo + per]).long(),
-                torch.as_tensor(y_all[lo:lo + per]).long())
+        return (
+            torch.as_tensor(x_all["token_ids"][lo : lo + per]).long(),
+            torch.as_tensor(y_all[lo : lo + per]).long(),
+        )
 
     def build(seed):
         with torch.device("meta"):
@@ -670,7 +796,9 @@ def torch_worker():
         ids, labels = rows(index)
         optimizer.zero_grad(set_to_none=True)
         logits = model(ids)
-        loss = F.cross_entropy(logits.reshape(-1, c["vocab"]), labels.reshape(-1))
+        loss = F.cross_entropy(
+            logits.reshape(-1, c["vocab"]), labels.reshape(-1)
+        )
         loss.backward()
         optimizer.step()
         return float(loss)
@@ -680,8 +808,12 @@ def torch_worker():
     phase, baseline = phases.run, phases.baseline
 
     model, optimizer = phase("build", lambda: build(0))
-    losses = {"fit": phase("fit", lambda: [step(model, optimizer, i)
-                                           for i in range(c["steps"])])}
+    losses = {
+        "fit": phase(
+            "fit",
+            lambda: [step(model, optimizer, i) for i in range(c["steps"])],
+        )
+    }
 
     def save():
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -690,10 +822,13 @@ def torch_worker():
     phase("save", save)
     state = sum(p.to_local().numel() * 4 for p in model.parameters())
     state_optimizer = sum(
-        t.to_local().numel() * t.element_size() if hasattr(t, "to_local")
+        t.to_local().numel() * t.element_size()
+        if hasattr(t, "to_local")
         else t.numel() * t.element_size()
-        for s in optimizer.state.values() for t in s.values()
-        if isinstance(t, torch.Tensor))
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
     params = sum(p.numel() for p in model.parameters())
 
     def fresh_and_load():
@@ -704,18 +839,30 @@ def torch_worker():
         model_sd, optim_sd = get_state_dict(new, new_optimizer)
         state_dict = {"model": model_sd, "optim": optim_sd}
         dcp.load(state_dict, checkpoint_id=path)
-        set_state_dict(new, new_optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            new,
+            new_optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
         return new, new_optimizer
 
     model, optimizer = phase("load", fresh_and_load)
     losses["resume"] = phase("resume", lambda: [step(model, optimizer, 0)])
     sampler.stop()
-    _launch.write_rank_result(dict(
-        case="torch", rank=rank, world=world, baseline_rss_bytes=baseline,
-        peak_above_baseline=phases.peaks, seconds=phases.seconds, losses=losses, params=params,
-        local_state_bytes={"weights": state, "optimizer": state_optimizer},
-    ))
+    _launch.write_rank_result(
+        dict(
+            case="torch",
+            rank=rank,
+            world=world,
+            baseline_rss_bytes=baseline,
+            peak_above_baseline=phases.peaks,
+            seconds=phases.seconds,
+            losses=losses,
+            params=params,
+            local_state_bytes={"weights": state, "optimizer": state_optimizer},
+        )
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -734,54 +881,87 @@ def worker(case):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="a tiny Llama (smoke test, seconds)")
-    parser.add_argument("--allocators", default="default,mmap",
-                        help="comma-separated subset of " + ",".join(ALLOCATORS))
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny Llama (smoke test, seconds)",
+    )
+    parser.add_argument(
+        "--allocators",
+        default="default,mmap",
+        help="comma-separated subset of " + ",".join(ALLOCATORS),
+    )
     parser.add_argument("--cases", default="keras,torch")
-    parser.add_argument("--snapshot", action="store_true",
-                        help="also record the tensors autograd saves for backward")
-    parser.add_argument("--keep-reverse-embeddings-whole", action="store_true",
-                        help="keras_hub's map as it is (reverse_embeddings "
-                             "replicated)")
-    parser.add_argument("--trim", action="store_true",
-                        help="experiment: glibc malloc_trim(0) after every "
-                             "Keras step")
-    parser.add_argument("--marks", action="store_true",
-                        help="diagnostics: mark each FSDP group's regather and "
-                             "gradient reduce-scatter in the fit phases' marks")
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="also record the tensors autograd saves for backward",
+    )
+    parser.add_argument(
+        "--keep-reverse-embeddings-whole",
+        action="store_true",
+        help="keras_hub's map as it is (reverse_embeddings replicated)",
+    )
+    parser.add_argument(
+        "--trim",
+        action="store_true",
+        help="experiment: glibc malloc_trim(0) after every Keras step",
+    )
+    parser.add_argument(
+        "--marks",
+        action="store_true",
+        help="diagnostics: mark each FSDP group's regather and "
+        "gradient reduce-scatter in the fit phases' marks",
+    )
     parser.add_argument("--timeout", type=float, default=420)
-    parser.add_argument("--rss-limit-gib", type=float, default=3.4,
-                        help="a rank whose RSS exceeds this stops itself "
-                             "(4 ranks share the machine with other work)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=N",
-                        help="override a model/run setting, e.g. --set layers=4")
-    parser.add_argument("--out", default="scale",
-                        help="results/<out>.json")
+    parser.add_argument(
+        "--rss-limit-gib",
+        type=float,
+        default=3.4,
+        help="a rank whose RSS exceeds this stops itself "
+        "(4 ranks share the machine with other work)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=N",
+        help="override a model/run setting, e.g. --set layers=4",
+    )
+    parser.add_argument("--out", default="scale", help="results/<out>.json")
     args = parser.parse_args()
     c = dict(CONFIGS["quick" if args.quick else "full"])
     for item in args.set:
         key, _, value = item.partition("=")
         if key not in c:
-            parser.error(f"--set {item!r}: unknown key {key!r}; choose from {sorted(c)}")
+            parser.error(
+                f"--set {item!r}: unknown key {key!r}; choose from {sorted(c)}"
+            )
         c[key] = int(value)
     params = param_count(c)
     state = 16 * params
-    print(f"scale: keras_hub Llama {params / 1e6:.1f} M parameters, training "
-          f"state {state / 1e9:.2f} GB, 4 processes, seq {c['seq']} x batch "
-          f"{c['batch']}", flush=True)
+    print(
+        f"scale: keras_hub Llama {params / 1e6:.1f} M parameters, training "
+        f"state {state / 1e9:.2f} GB, 4 processes, seq {c['seq']} x batch "
+        f"{c['batch']}",
+        flush=True,
+    )
     runs, errors, payload_partial = {}, {}, {}
     directory = tempfile.mkdtemp(prefix="ktd-scale-")
     started = time.monotonic()
     try:
         for allocator in args.allocators.split(","):
             for case in args.cases.split(","):
-                env = dict(ALLOCATORS[allocator],
-                           BENCH_CONFIG=json.dumps(c),
-                           BENCH_RSS_LIMIT=str(int(args.rss_limit_gib * 2**30)),
-                           BENCH_DEADLINE=str(args.timeout),
-                           BENCH_CHECKPOINT=os.path.join(directory, f"{case}-ckpt"),
-                           BENCH_SHARD_REVERSE="0" if args.keep_reverse_embeddings_whole else "1")
+                env = dict(
+                    ALLOCATORS[allocator],
+                    BENCH_CONFIG=json.dumps(c),
+                    BENCH_RSS_LIMIT=str(int(args.rss_limit_gib * 2**30)),
+                    BENCH_DEADLINE=str(args.timeout),
+                    BENCH_CHECKPOINT=os.path.join(directory, f"{case}-ckpt"),
+                    BENCH_SHARD_REVERSE="0"
+                    if args.keep_reverse_embeddings_whole
+                    else "1",
+                )
                 if args.snapshot:
                     env["BENCH_SNAPSHOT"] = "1"
                 if args.trim:
@@ -793,8 +973,12 @@ def main():
                 env["BENCH_PARTIAL"] = partial
                 try:
                     runs.setdefault(allocator, {})[case] = _launch.launch(
-                        os.path.abspath(__file__), case, 4,
-                        timeout=args.timeout, extra_env=env)
+                        os.path.abspath(__file__),
+                        case,
+                        4,
+                        timeout=args.timeout,
+                        extra_env=env,
+                    )
                 except RuntimeError as error:
                     errors[f"{case} {allocator}"] = str(error)[-3000:]
                     found = {}
@@ -803,13 +987,21 @@ def main():
                             found[name] = json.load(f)
                     payload_partial.setdefault(allocator, {})[case] = found
                     for name, r in found.items():
-                        print(f"  partial {case} {allocator} {name}: " + ", ".join(
-                            f"{p} {v / state:.3f}"
-                            for p, v in r["peak_above_baseline"].items()), flush=True)
-                    print(f"  {case} {allocator} FAILED: {str(error)[-1500:]}",
-                          flush=True)
-                shutil.rmtree(os.path.join(directory, f"{case}-ckpt"),
-                              ignore_errors=True)
+                        print(
+                            f"  partial {case} {allocator} {name}: "
+                            + ", ".join(
+                                f"{p} {v / state:.3f}"
+                                for p, v in r["peak_above_baseline"].items()
+                            ),
+                            flush=True,
+                        )
+                    print(
+                        f"  {case} {allocator} FAILED: {str(error)[-1500:]}",
+                        flush=True,
+                    )
+                shutil.rmtree(
+                    os.path.join(directory, f"{case}-ckpt"), ignore_errors=True
+                )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     wall = time.monotonic() - started
@@ -821,41 +1013,68 @@ def main():
         return {p: [r["peak_above_baseline"][p] for r in ranks] for p in PHASES}
 
     payload = {
-        "benchmark": "scale", "machine": _launch.machine(), "config": c,
-        "params": params, "training_state_bytes": state,
-        "allocators": {k: v for k, v in ALLOCATORS.items()
-                       if k in args.allocators.split(",")},
+        "benchmark": "scale",
+        "machine": _launch.machine(),
+        "config": c,
+        "params": params,
+        "training_state_bytes": state,
+        "allocators": {
+            k: v
+            for k, v in ALLOCATORS.items()
+            if k in args.allocators.split(",")
+        },
         "reverse_embeddings_sharded": not args.keep_reverse_embeddings_whole,
-        "targets": {"peak_of_training_state": TARGET_OF_STATE,
-                    "peak_over_fsdp2": TARGET_OF_FSDP2},
+        "targets": {
+            "peak_of_training_state": TARGET_OF_STATE,
+            "peak_over_fsdp2": TARGET_OF_FSDP2,
+        },
         "wall_seconds": round(wall, 1),
         "overrides": args.set,
         "errors": errors,
         "partial_results_of_failed_launches": payload_partial,
     }
     first = next((a for a in ("default", "mmap") if a in runs), None)
-    payload["peak_rss_bytes_per_rank"] = per_rank(first, "keras") if first else None
-    payload["fsdp2_peak_rss_bytes_per_rank"] = per_rank(first, "torch") if first else None
+    payload["peak_rss_bytes_per_rank"] = (
+        per_rank(first, "keras") if first else None
+    )
+    payload["fsdp2_peak_rss_bytes_per_rank"] = (
+        per_rank(first, "torch") if first else None
+    )
     payload["by_allocator"] = {}
-    print(f"\npeak RSS above baseline per rank, share of the training state "
-          f"({state / 2**30:.2f} GiB); target <= {TARGET_OF_STATE}:")
+    print(
+        f"\npeak RSS above baseline per rank, share of the training state "
+        f"({state / 2**30:.2f} GiB); target <= {TARGET_OF_STATE}:"
+    )
     for allocator in runs:
         entry = {}
         for case in runs[allocator]:
             figures = per_rank(allocator, case)
-            entry[case] = {"peak_rss_bytes_per_rank": figures,
-                           "worst_share_of_state": {
-                               p: round(max(v) / state, 3) for p, v in figures.items()}}
+            entry[case] = {
+                "peak_rss_bytes_per_rank": figures,
+                "worst_share_of_state": {
+                    p: round(max(v) / state, 3) for p, v in figures.items()
+                },
+            }
             for p in PHASES:
-                print(f"  {allocator:8} {case:6} {p:7} "
-                      + " ".join(f"{v / state:6.3f}" for v in figures[p])
-                      + f"   ({max(figures[p]) / 2**30:.2f} GiB worst)")
+                print(
+                    f"  {allocator:8} {case:6} {p:7} "
+                    + " ".join(f"{v / state:6.3f}" for v in figures[p])
+                    + f"   ({max(figures[p]) / 2**30:.2f} GiB worst)"
+                )
         if "keras" in entry and "torch" in entry:
-            k_worst = max(max(v) for v in entry["keras"]["peak_rss_bytes_per_rank"].values())
-            t_worst = max(max(v) for v in entry["torch"]["peak_rss_bytes_per_rank"].values())
+            k_worst = max(
+                max(v)
+                for v in entry["keras"]["peak_rss_bytes_per_rank"].values()
+            )
+            t_worst = max(
+                max(v)
+                for v in entry["torch"]["peak_rss_bytes_per_rank"].values()
+            )
             entry["keras_over_fsdp2_worst_peak"] = round(k_worst / t_worst, 3)
-            print(f"  {allocator:8} keras / FSDP2 worst peak: {k_worst / t_worst:.3f} "
-                  f"(target <= {TARGET_OF_FSDP2})")
+            print(
+                f"  {allocator:8} keras / FSDP2 worst peak: {k_worst / t_worst:.3f} "
+                f"(target <= {TARGET_OF_FSDP2})"
+            )
         payload["by_allocator"][allocator] = entry
     payload["ranks"] = runs
     print(f"whole run: {wall:.0f} s")

@@ -52,8 +52,12 @@ def _worker(case, steps):
     model = keras.Model(inputs, h)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((GLOBAL_BATCH * (steps + 3), WIDTH)).astype("float32")
-    y = rng.standard_normal((GLOBAL_BATCH * (steps + 3), WIDTH)).astype("float32")
+    x = rng.standard_normal((GLOBAL_BATCH * (steps + 3), WIDTH)).astype(
+        "float32"
+    )
+    y = rng.standard_normal((GLOBAL_BATCH * (steps + 3), WIDTH)).astype(
+        "float32"
+    )
 
     class StepTimes(keras.callbacks.Callback):
         def __init__(self):
@@ -64,8 +68,15 @@ def _worker(case, steps):
             self.times.append(time.perf_counter())
 
     timer = StepTimes()
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[timer])
+    model.fit(
+        x,
+        y,
+        batch_size=GLOBAL_BATCH,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[timer],
+    )
     per_step = [b - a for a, b in zip(timer.times[3:], timer.times[4:])]
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
     raw = []
@@ -73,10 +84,12 @@ def _worker(case, steps):
         start = time.perf_counter()
         dist.all_reduce(flags)
         raw.append(time.perf_counter() - start)
-    _launch.write_rank_result({
-        "step_s": statistics.median(per_step),
-        "raw_flag_all_reduce_s": statistics.median(raw),
-    })
+    _launch.write_rank_result(
+        {
+            "step_s": statistics.median(per_step),
+            "raw_flag_all_reduce_s": statistics.median(raw),
+        }
+    )
 
 
 def worker(case):
@@ -92,12 +105,20 @@ def main():
     rounds = {"with": [], "without": []}
     for _ in range(args.repeats):
         for case in rounds:
-            rounds[case].append(_launch.launch(
-                script, case, 2, timeout=300, extra_env={"BENCH_STEPS": str(args.steps)}
-            ))
+            rounds[case].append(
+                _launch.launch(
+                    script,
+                    case,
+                    2,
+                    timeout=300,
+                    extra_env={"BENCH_STEPS": str(args.steps)},
+                )
+            )
 
     def worst(case, key):
-        return statistics.median(max(r[key] for r in ranks) for ranks in rounds[case])
+        return statistics.median(
+            max(r[key] for r in ranks) for ranks in rounds[case]
+        )
 
     result = {
         "machine": _launch.machine(),
@@ -108,7 +129,9 @@ def main():
         "raw_flag_all_reduce_s": worst("with", "raw_flag_all_reduce_s"),
         "rounds": rounds,
     }
-    result["with_over_without"] = result["with_step_s"] / result["without_step_s"]
+    result["with_over_without"] = (
+        result["with_step_s"] / result["without_step_s"]
+    )
     print(
         f"fit step with StopTogether {result['with_step_s'] * 1e3:.2f} ms, without "
         f"{result['without_step_s'] * 1e3:.2f} ms: ratio {result['with_over_without']:.3f}; "

@@ -25,14 +25,18 @@ mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
 layout_map = keras.distribution.LayoutMap(mesh)
 layout_map[".*hidden/kernel"] = (None, "model")
 layout_map[".*out/kernel"] = ("model", None)
-keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map)
+)
 
 keras.utils.set_random_seed(0)
-model = keras.Sequential([
-    keras.Input((16,)),
-    keras.layers.Dense(64, activation="relu", name="hidden"),
-    keras.layers.Dense(4, name="out"),
-])
+model = keras.Sequential(
+    [
+        keras.Input((16,)),
+        keras.layers.Dense(64, activation="relu", name="hidden"),
+        keras.layers.Dense(4, name="out"),
+    ]
+)
 model.compile(keras.optimizers.Adam(1e-2), "mse")
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 16)).astype("float32")
@@ -49,9 +53,19 @@ class StopAfterTwoEpochs(keras.callbacks.Callback):
 
 resumed = checkpoint.latest(directory) is not None
 history = model.fit(
-    x, y, batch_size=32, epochs=epochs, verbose=0,
-    callbacks=[checkpoint.ShardedCheckpoint(directory, restore=True), StopAfterTwoEpochs()],
+    x,
+    y,
+    batch_size=32,
+    epochs=epochs,
+    verbose=0,
+    callbacks=[
+        checkpoint.ShardedCheckpoint(directory, restore=True),
+        StopAfterTwoEpochs(),
+    ],
 )
 if ktd.process_id() == 0:
-    print(f"{'resumed' if resumed else 'first run'}: epochs {history.epoch}, "
-          f"loss {[round(v, 5) for v in history.history['loss']]}", flush=True)
+    print(
+        f"{'resumed' if resumed else 'first run'}: epochs {history.epoch}, "
+        f"loss {[round(v, 5) for v in history.history['loss']]}",
+        flush=True,
+    )

@@ -32,7 +32,12 @@ rng = np.random.default_rng(0)
 centres = rng.normal(scale=1.0, size=(CLASSES, FEATURES)).astype("float32")
 labels = rng.integers(0, CLASSES, size=4096)
 x = (centres[labels] + rng.normal(size=(4096, FEATURES))).astype("float32")
-x_train, y_train, x_test, y_test = x[:3584], labels[:3584], x[3584:], labels[3584:]
+x_train, y_train, x_test, y_test = (
+    x[:3584],
+    labels[:3584],
+    x[3584:],
+    labels[3584:],
+)
 
 keras.utils.set_random_seed(0)  # the same initial model on every process
 model = keras.Sequential(
@@ -52,7 +57,14 @@ history = model.fit(
     x_train, y_train, batch_size=256, epochs=4, validation_split=0.1, verbose=0
 )
 say("loss per epoch:", [round(v, 4) for v in history.history["loss"]])
-say("val_accuracy per epoch:", [round(v, 4) for v in history.history["val_accuracy"]])
+say(
+    "val_accuracy per epoch:",
+    [round(v, 4) for v in history.history["val_accuracy"]],
+)
 loss, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
-predictions = model.predict(x_test, batch_size=256, verbose=0)  # every row, every rank
-say(f"test loss {loss:.4f} accuracy {accuracy:.4f} predictions {predictions.shape}")
+predictions = model.predict(
+    x_test, batch_size=256, verbose=0
+)  # every row, every rank
+say(
+    f"test loss {loss:.4f} accuracy {accuracy:.4f} predictions {predictions.shape}"
+)

@@ -46,7 +46,10 @@ say(f"devices: {devices}")
 keras.distribution.set_distribution(keras.distribution.DataParallel())
 model = make_model()
 history = model.fit(x, y, batch_size=128, epochs=3, verbose=0)
-say("DataParallel loss per epoch:", [round(v, 4) for v in history.history["loss"]])
+say(
+    "DataParallel loss per epoch:",
+    [round(v, 4) for v in history.history["loss"]],
+)
 
 # ModelParallel: "up" is stored sharded on its columns, "down" on its rows.
 # On a 1-D mesh the one axis is also the batch axis (as on JAX): each process
@@ -58,8 +61,13 @@ layout_map = keras.distribution.LayoutMap(mesh)
 layout_map[".*up/kernel"] = (None, "model")
 layout_map[".*up/bias"] = ("model",)
 layout_map[".*down/kernel"] = ("model", None)
-keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map)
+)
 model = make_model()
 history = model.fit(x, y, batch_size=128, epochs=3, verbose=0)
-say("ModelParallel loss per epoch:", [round(v, 4) for v in history.history["loss"]])
+say(
+    "ModelParallel loss per epoch:",
+    [round(v, 4) for v in history.history["loss"]],
+)
 ktd.report(model, print_fn=say)

@@ -25,13 +25,17 @@ if len(devices) % 2:
         f"hybrid_2d_mesh.py needs an even number of processes (got "
         f"{len(devices)}): run it with `ktd run -n 4 examples/hybrid_2d_mesh.py`."
     )
-mesh = keras.distribution.DeviceMesh((len(devices) // 2, 2), ["batch", "model"], devices)
+mesh = keras.distribution.DeviceMesh(
+    (len(devices) // 2, 2), ["batch", "model"], devices
+)
 layout_map = keras.distribution.LayoutMap(mesh)
 layout_map[r".*up/kernel"] = (None, "model")  # column-parallel
 layout_map[r".*up/bias"] = ("model",)
 layout_map[r".*down/kernel"] = ("model", None)  # row-parallel
 keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
 )
 
 
@@ -54,6 +58,8 @@ model = keras.Sequential(
 )
 model.compile(keras.optimizers.Adam(1e-3), "mse")
 history = model.fit(x, y, batch_size=128, epochs=3, verbose=0)
-say(f"mesh {dict(zip(mesh.axis_names, mesh.shape))} over {len(devices)} processes")
+say(
+    f"mesh {dict(zip(mesh.axis_names, mesh.shape))} over {len(devices)} processes"
+)
 say("loss per epoch:", [round(v, 5) for v in history.history["loss"]])
 ktd.report(model, print_fn=say)  # collective: every rank calls it

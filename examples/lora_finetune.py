@@ -23,7 +23,6 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
-import numpy as np  # noqa: E402
 
 import keras_torch_distribution as ktd  # noqa: E402
 
@@ -43,7 +42,9 @@ if len(devices) % 2:
         f"lora_finetune.py needs an even number of processes (got {len(devices)}): "
         "run it with `ktd run -n 4 examples/lora_finetune.py`."
     )
-mesh = keras.distribution.DeviceMesh((len(devices) // 2, 2), ["batch", "model"], devices)
+mesh = keras.distribution.DeviceMesh(
+    (len(devices) // 2, 2), ["batch", "model"], devices
+)
 layout_map = keras.distribution.LayoutMap(mesh)
 layout_map["token_embedding/embeddings"] = ("model", None)
 layout_map[r"self_attention/(query|key|value)/kernel"] = (None, "model", None)
@@ -53,7 +54,9 @@ layout_map[r"feedforward_intermediate_dense/kernel"] = (None, "model")
 layout_map[r"feedforward_intermediate_dense/bias"] = ("model",)
 layout_map[r"feedforward_output_dense/kernel"] = ("model", None)
 keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
 )
 
 
@@ -68,7 +71,9 @@ def tokenizer():
 
     vocabulary = {c: i for i, c in enumerate(bytes_to_unicode()[1])}
     vocabulary["<|endoftext|>"] = len(vocabulary)
-    vocabulary["<|unused|>"] = len(vocabulary)  # 258: splits evenly over "model"
+    vocabulary["<|unused|>"] = len(
+        vocabulary
+    )  # 258: splits evenly over "model"
     return keras_hub.models.GPT2Tokenizer(vocabulary=vocabulary, merges=[])
 
 
@@ -86,7 +91,9 @@ def model():
         max_sequence_length=SEQUENCE_LENGTH,
         dropout=0.0,
     )
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=preprocessor)
+    return keras_hub.models.GPT2CausalLM(
+        backbone=backbone, preprocessor=preprocessor
+    )
 
 
 def compile_for(lm, learning_rate):
@@ -122,7 +129,9 @@ def main(directory):
     compile_for(lm, 3e-2)
     history = lm.fit(TASK_CORPUS, batch_size=8, epochs=12, verbose=0)
     say("LoRA loss per epoch:", [round(v, 3) for v in history.history["loss"]])
-    generated = lm.generate(["the cat sat", "the dog"], max_length=SEQUENCE_LENGTH)
+    generated = lm.generate(
+        ["the cat sat", "the dog"], max_length=SEQUENCE_LENGTH
+    )
     say("generated:", [text.strip() for text in generated])
 
     lora_path = os.path.join(directory, "adapters.lora.h5")
@@ -132,7 +141,9 @@ def main(directory):
     enable_lora(fresh)
     fresh.backbone.load_lora_weights(lora_path)
     compile_for(fresh, 3e-2)
-    again = fresh.generate(["the cat sat", "the dog"], max_length=SEQUENCE_LENGTH)
+    again = fresh.generate(
+        ["the cat sat", "the dog"], max_length=SEQUENCE_LENGTH
+    )
     say("reloaded adapters generate the same:", list(again) == list(generated))
     say("files:", sorted(os.listdir(directory)))
 

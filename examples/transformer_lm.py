@@ -30,17 +30,25 @@ devices = keras.distribution.list_devices()
 # A batch axis of size 1: every process computes on the whole batch and the
 # "model" axis is pure tensor parallelism. (On a 1-D ("model",) mesh that axis
 # would also be the batch axis, as on JAX: FSDP, each process on its rows.)
-mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+mesh = keras.distribution.DeviceMesh(
+    (1, len(devices)), ["batch", "model"], devices
+)
 layout_map = keras.distribution.LayoutMap(mesh)
 layout_map[r".*token_embedding/embeddings"] = ("model", None)  # vocabulary
-layout_map[r".*attention/(query|key|value)/kernel"] = (None, "model", None)  # heads
+layout_map[r".*attention/(query|key|value)/kernel"] = (
+    None,
+    "model",
+    None,
+)  # heads
 layout_map[r".*attention/(query|key|value)/bias"] = ("model", None)
 layout_map[r".*attention/attention_output/kernel"] = ("model", None, None)
 layout_map[r".*mlp_up/kernel"] = (None, "model")  # column-parallel
 layout_map[r".*mlp_up/bias"] = ("model",)
 layout_map[r".*mlp_down/kernel"] = ("model", None)  # row-parallel
 keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
 )
 
 
@@ -54,7 +62,9 @@ class PositionEmbedding(keras.layers.Layer):
 
     def build(self, input_shape):
         self.positions = self.add_weight(
-            shape=tuple(input_shape[1:]), initializer="random_normal", name="positions"
+            shape=tuple(input_shape[1:]),
+            initializer="random_normal",
+            name="positions",
         )
 
     def call(self, x):
@@ -93,7 +103,9 @@ x, y = sequences[:, :-1].astype("int32"), sequences[:, 1:].astype("int32")
 
 keras.utils.set_random_seed(0)
 model = make_model()
-ktd.report(model, print_fn=say)  # each rank's shards; collective: every rank calls it
+ktd.report(
+    model, print_fn=say
+)  # each rank's shards; collective: every rank calls it
 model.compile(
     keras.optimizers.Adam(3e-3),
     keras.losses.SparseCategoricalCrossentropy(from_logits=True),

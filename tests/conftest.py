@@ -32,8 +32,13 @@ _TEST_DEVICE = os.environ.get("KTD_TEST_DEVICE", "cpu")
 if _TEST_DEVICE not in ("cpu", "cuda"):
     raise ValueError(
         f"KTD_TEST_DEVICE={_TEST_DEVICE!r}: expected 'cpu' (the default: gloo "
-        "ranks) or 'cuda' (one GPU per rank); unset it or set one of those.")
-_POOL_ENV = {"KTD_DEVICE": None, "CUDA_VISIBLE_DEVICES": None} if _TEST_DEVICE == "cuda" else {}
+        "ranks) or 'cuda' (one GPU per rank); unset it or set one of those."
+    )
+_POOL_ENV = (
+    {"KTD_DEVICE": None, "CUDA_VISIBLE_DEVICES": None}
+    if _TEST_DEVICE == "cuda"
+    else {}
+)
 
 
 def _pool(world_size):

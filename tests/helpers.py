@@ -19,9 +19,17 @@ import zlib
 import numpy as np
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)  # the repository: the working directory of launches
+ROOT = os.path.dirname(
+    TESTS
+)  # the repository: the working directory of launches
 # What torchrun sets for each rank (tests clear them, or check none leaks).
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def data(rows=64, features=6, outputs=3, seed=0):
@@ -32,7 +40,10 @@ def data(rows=64, features=6, outputs=3, seed=0):
 
 
 def max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in zip(a, b))
+    return max(
+        float(np.max(np.abs(np.asarray(p) - np.asarray(q))))
+        for p, q in zip(a, b)
+    )
 
 
 def free_port():
@@ -55,7 +66,9 @@ def finish(process, timeout):
             f"{process.args} did not finish within {timeout} s:\n{stdout[-2000:]}\n"
             f"{stderr[-3000:]}"
         ) from None
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(
+        process.args, process.returncode, stdout, stderr
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -73,7 +86,9 @@ def error_of(function, *args, **kwargs):
 
 
 def assert_error(found, kind, pattern):
-    assert found is not None, f"expected {kind} matching {pattern!r}, nothing raised"
+    assert found is not None, (
+        f"expected {kind} matching {pattern!r}, nothing raised"
+    )
     assert found[0] == kind, found
     assert re.search(pattern, found[1], re.S), found[1]
 
@@ -111,9 +126,13 @@ def set_distribution(kind):
         keras.distribution.set_distribution(keras.distribution.DataParallel())
     elif kind in ("mp", "hybrid"):
         if kind == "mp":
-            mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+            mesh = keras.distribution.DeviceMesh(
+                (len(devices),), ["model"], devices
+            )
         else:
-            mesh = keras.distribution.DeviceMesh((2, len(devices) // 2), ["batch", "model"], devices)
+            mesh = keras.distribution.DeviceMesh(
+                (2, len(devices) // 2), ["batch", "model"], devices
+            )
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map[".*hidden.*kernel"] = (None, "model")
         layout_map[".*hidden.*bias"] = ("model",)
@@ -129,10 +148,14 @@ def assert_same_training(results, reference, atol=2e-5):
     ref_weights, ref_history, ref_eval, ref_pred = reference
     for rank, (weights, history, evaluation, predictions) in enumerate(results):
         for w, r in zip(weights, ref_weights):
-            np.testing.assert_allclose(w, r, atol=atol, rtol=1e-4, err_msg=f"rank {rank}")
+            np.testing.assert_allclose(
+                w, r, atol=atol, rtol=1e-4, err_msg=f"rank {rank}"
+            )
         assert history.keys() == ref_history.keys()
         for key in ref_history:
-            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4, atol=atol)
+            np.testing.assert_allclose(
+                history[key], ref_history[key], rtol=1e-4, atol=atol
+            )
         np.testing.assert_allclose(evaluation, ref_eval, rtol=1e-4, atol=atol)
         np.testing.assert_allclose(predictions, ref_pred, rtol=1e-4, atol=atol)
     # Every rank reports identical logs.
@@ -196,7 +219,9 @@ def checkpoint_values(model):
     Collective: call on every rank."""
     from keras_torch_distribution import checkpoint
 
-    return {k: np.asarray(v) for k, v in checkpoint.variables_by_key(model).items()}
+    return {
+        k: np.asarray(v) for k, v in checkpoint.variables_by_key(model).items()
+    }
 
 
 def placements_of(model):
@@ -256,19 +281,33 @@ def resume_fit(backup_dir, record, kill, epochs=EPOCHS):
             seen.append(epoch)
 
         def on_epoch_end(self, epoch, logs=None):
-            if kill and epoch + 1 == KILL_AFTER_EPOCH and runtime.process_id() == 1:
+            if (
+                kill
+                and epoch + 1 == KILL_AFTER_EPOCH
+                and runtime.process_id() == 1
+            ):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     callbacks = [keras.callbacks.BackupAndRestore(backup_dir), Record()]
     model.fit(
-        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=8,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
         callbacks=callbacks,
     )
     values = checkpoint_values(model)
     if record and runtime.process_id() == 0:
-        np.savez(record + ".npz", **{k.replace("/", "|"): v for k, v in values.items()})
+        np.savez(
+            record + ".npz",
+            **{k.replace("/", "|"): v for k, v in values.items()},
+        )
         with open(record + ".json", "w") as f:
-            json.dump({"seen": seen, "backup_left": os.path.exists(backup_dir)}, f)
+            json.dump(
+                {"seen": seen, "backup_left": os.path.exists(backup_dir)}, f
+            )
     return seen, values
 
 
@@ -291,7 +330,9 @@ def record_file(path, name):
 
     def change(marker):
         if "files" in marker:  # (absent in checkpoints older than checksums)
-            marker["files"][name].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
+            marker["files"][name].update(
+                bytes=len(data), crc32=f"{zlib.crc32(data):08x}"
+            )
 
     rewrite_marker(path, change)
 
@@ -318,9 +359,11 @@ class Allocations:
                 import torch
 
                 out = func(*args, **(kwargs or {}))
-                for value in (out if isinstance(out, (tuple, list)) else (out,)):
+                for value in out if isinstance(out, (tuple, list)) else (out,):
                     if type(value) in (torch.Tensor, torch.nn.Parameter):
-                        records.append((value.device.type, value.numel(), str(func)))
+                        records.append(
+                            (value.device.type, value.numel(), str(func))
+                        )
                 return out
 
         self._mode = _Mode()
@@ -333,4 +376,6 @@ class Allocations:
         return self._mode.__exit__(*exc_info)
 
     def largest(self, device_type):
-        return max((n for kind, n, _ in self.records if kind == device_type), default=0)
+        return max(
+            (n for kind, n, _ in self.records if kind == device_type), default=0
+        )

@@ -13,15 +13,15 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 from keras_torch_distribution import checkpoint  # noqa: E402
-from keras_torch_distribution.distributed import runtime  # noqa: E402,F401
 from keras_torch_distribution._install import install  # noqa: E402
 from keras_torch_distribution._install import is_installed  # noqa: E402
 from keras_torch_distribution._install import uninstall  # noqa: E402
 from keras_torch_distribution._keras import SUPPORTED_KERAS_TEXT  # noqa: E402
-from keras_torch_distribution.report import report  # noqa: E402
+from keras_torch_distribution.distributed import runtime  # noqa: E402,F401
 from keras_torch_distribution.distributed.runtime import initialize  # noqa: E402
 from keras_torch_distribution.distributed.runtime import num_processes  # noqa: E402
 from keras_torch_distribution.distributed.runtime import process_id  # noqa: E402
+from keras_torch_distribution.report import report  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

@@ -13,29 +13,29 @@ import gc
 import keras
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.training import boundary
 from keras_torch_distribution import checkpoint
-from keras_torch_distribution.training import compiled
-from keras_torch_distribution.variables import copies
-from keras_torch_distribution.batch import adapter
 from keras_torch_distribution import distribution_lib
+from keras_torch_distribution import saving
+from keras_torch_distribution.batch import adapter
+from keras_torch_distribution.batch import random_slices
+from keras_torch_distribution.batch import sync_batch_norm
+from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution.distributed import sharding_rules
+from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.fsdp import einsum_grad
 from keras_torch_distribution.fsdp import flat_shards
 from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.fsdp import groups
-from keras_torch_distribution.distributed import layouts
+from keras_torch_distribution.training import boundary
+from keras_torch_distribution.training import compiled
 from keras_torch_distribution.training import metric_states
 from keras_torch_distribution.training import optimizer_update
-from keras_torch_distribution.batch import random_slices
 from keras_torch_distribution.training import replica_start
-from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import runtime
-from keras_torch_distribution import saving
-from keras_torch_distribution.distributed import sharding_rules
-from keras_torch_distribution.batch import sync_batch_norm
-from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.training import trainer
 from keras_torch_distribution.variables import born_sharded
+from keras_torch_distribution.variables import copies
 
 
 class Patch:
@@ -62,37 +62,88 @@ def _patch_table():
     return [
         # The backend module keras.distribution calls.
         Patch(k.keras_backend_module, "distribution_lib", distribution_lib),
-        Patch(k.keras_distribution_module, "distribution_lib", distribution_lib),
+        Patch(
+            k.keras_distribution_module, "distribution_lib", distribution_lib
+        ),
         # Variables: born sharded, gathered for use on the batch axis (FSDP),
         # reassigned in place, read as global values.
-        Patch(k.TorchVariable, "_initialize", born_sharded.initialize, wrap=True),
+        Patch(
+            k.TorchVariable, "_initialize", born_sharded.initialize, wrap=True
+        ),
         Patch(
             k.TorchVariable,
             "_initialize_with_initializer",
             born_sharded.initialize_with_initializer,
             wrap=True,
         ),
-        Patch(k.TorchVariable, "_direct_assign", born_sharded.direct_assign, wrap=True),
-        Patch(k.TorchVariable, "_convert_to_tensor", born_sharded.convert_for_assign, wrap=True),
-        Patch(k.TorchVariable, "_maybe_autocast", born_sharded.value_for_use, wrap=True),
+        Patch(
+            k.TorchVariable,
+            "_direct_assign",
+            born_sharded.direct_assign,
+            wrap=True,
+        ),
+        Patch(
+            k.TorchVariable,
+            "_convert_to_tensor",
+            born_sharded.convert_for_assign,
+            wrap=True,
+        ),
+        Patch(
+            k.TorchVariable,
+            "_maybe_autocast",
+            born_sharded.value_for_use,
+            wrap=True,
+        ),
         Patch(k.TorchVariable, "__array__", born_sharded.to_numpy, wrap=True),
         Patch(k.TorchVariable, "__repr__", born_sharded.describe, wrap=True),
         # Under FSDP, einsum keeps its operands for backward (gathered
         # kernels are then regathered), not copies of them.
         Patch(k.torch_numpy_module, "einsum", einsum_grad.einsum, wrap=True),
-        Patch(k.keras_backend_module, "convert_to_numpy", tensors.to_numpy, wrap=True),
+        Patch(
+            k.keras_backend_module,
+            "convert_to_numpy",
+            tensors.to_numpy,
+            wrap=True,
+        ),
         # In-place writes that meet DTensors (keras_hub's KV cache, samplers,
         # BatchNormalization's scaling by sharded parameters).
-        Patch(k.torch_core_module, "slice_update", tensors.slice_update, wrap=True),
-        Patch(k.torch_core_module, "scatter_update", tensors.scatter_update, wrap=True),
-        Patch(k.torch_nn_module, "batch_normalization", tensors.batch_normalization, wrap=True),
+        Patch(
+            k.torch_core_module, "slice_update", tensors.slice_update, wrap=True
+        ),
+        Patch(
+            k.torch_core_module,
+            "scatter_update",
+            tensors.scatter_update,
+            wrap=True,
+        ),
+        Patch(
+            k.torch_nn_module,
+            "batch_normalization",
+            tensors.batch_normalization,
+            wrap=True,
+        ),
         # The model boundary and jit_compile.
-        Patch(k.torch_nn_module, "_can_use_flash_attention", compiled.can_use_flash_attention, wrap=True),
+        Patch(
+            k.torch_nn_module,
+            "_can_use_flash_attention",
+            compiled.can_use_flash_attention,
+            wrap=True,
+        ),
         Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
         Patch(k.Layer, "_get_own_losses", boundary.plain_losses, wrap=True),
-        Patch(k.Layer, "_get_regularization_losses", boundary.plain_losses, wrap=True),
+        Patch(
+            k.Layer,
+            "_get_regularization_losses",
+            boundary.plain_losses,
+            wrap=True,
+        ),
         # Distributions check their batch axis and mesh when constructed.
-        Patch(k.Distribution, "__init__", distribution_lib.check_distribution, wrap=True),
+        Patch(
+            k.Distribution,
+            "__init__",
+            distribution_lib.check_distribution,
+            wrap=True,
+        ),
         # Step functions, one factory for train / test / predict: replicas
         # made equal before the first step, then Keras' step (the model call
         # compiled under jit_compile=True); predictions of every replica.
@@ -107,17 +158,35 @@ def _patch_table():
         ],
         # A replica's rows (and a sharded activation's columns) of the random
         # draws one process makes for the global batch.
-        Patch(k.torch_random_module, "dropout", random_slices.dropout, wrap=True),
+        Patch(
+            k.torch_random_module, "dropout", random_slices.dropout, wrap=True
+        ),
         Patch(k.torch_random_module, "normal", random_slices.normal, wrap=True),
-        Patch(k.torch_random_module, "uniform", random_slices.uniform, wrap=True),
-        Patch(k.torch_random_module, "randint", random_slices.randint, wrap=True),
+        Patch(
+            k.torch_random_module, "uniform", random_slices.uniform, wrap=True
+        ),
+        Patch(
+            k.torch_random_module, "randint", random_slices.randint, wrap=True
+        ),
         # Moments over the global batch (all replicas' rows).
-        Patch(k.BatchNormalization, "_moments", sync_batch_norm.moments, wrap=True),
+        Patch(
+            k.BatchNormalization, "_moments", sync_batch_norm.moments, wrap=True
+        ),
         # Data: each replica its rows of the global batch.
-        Patch(k.epoch_iterator_data_adapters, "get_data_adapter", adapter.get_data_adapter, wrap=True),
+        Patch(
+            k.epoch_iterator_data_adapters,
+            "get_data_adapter",
+            adapter.get_data_adapter,
+            wrap=True,
+        ),
         # Training: gradients averaged over replicas, metrics summed, Adam in place.
         Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
-        Patch(k.TorchAdam, "_parallel_update_step", optimizer_update.adam_update, wrap=True),
+        Patch(
+            k.TorchAdam,
+            "_parallel_update_step",
+            optimizer_update.adam_update,
+            wrap=True,
+        ),
         Patch(k.Model, "get_metrics_result", trainer.metrics_result, wrap=True),
         Patch(k.Model, "fit", trainer.quiet_on_other_ranks, wrap=True),
         Patch(k.Model, "evaluate", trainer.quiet_on_other_ranks, wrap=True),
@@ -134,9 +203,18 @@ def _patch_table():
                 ("close", saving.store_close),
             )
         ],
-        Patch(k.BackupAndRestore, "_save_model", checkpoint.backup_save, wrap=True),
-        Patch(k.BackupAndRestore, "_load_model", checkpoint.backup_load, wrap=True),
-        Patch(k.BackupAndRestore, "on_train_end", checkpoint.backup_train_end, wrap=True),
+        Patch(
+            k.BackupAndRestore, "_save_model", checkpoint.backup_save, wrap=True
+        ),
+        Patch(
+            k.BackupAndRestore, "_load_model", checkpoint.backup_load, wrap=True
+        ),
+        Patch(
+            k.BackupAndRestore,
+            "on_train_end",
+            checkpoint.backup_train_end,
+            wrap=True,
+        ),
     ]
 
 

@@ -18,6 +18,8 @@ from keras.src.backend.torch import core as torch_core
 from keras.src.backend.torch import nn as torch_nn
 from keras.src.backend.torch import numpy as torch_numpy
 from keras.src.backend.torch import random as torch_random
+from keras.src.backend.torch import trainer as torch_trainer
+from keras.src.backend.torch.optimizers import torch_adam
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.initializers import constant_initializers
 from keras.src.initializers import random_initializers
@@ -29,8 +31,6 @@ from keras.src.random import seed_generator
 from keras.src.saving import saving_lib
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator
-from keras.src.backend.torch import trainer as torch_trainer
-from keras.src.backend.torch.optimizers import torch_adam
 from keras.src.trainers.data_adapters import data_adapter
 from keras.src.utils import rng_utils
 
@@ -97,6 +97,8 @@ def torch_device_scope(name):
     """Keras' `keras.device(name)` scope for the torch backend: tensors
     Keras creates inside it (initializers' draws included) are on `name`."""
     return torch_core.device_scope(name)
+
+
 to_torch_dtype = torch_core.to_torch_dtype
 convert_to_numpy = torch_core.convert_to_numpy
 is_torch_dataloader = data_adapters.is_torch_dataloader
@@ -135,7 +137,9 @@ def set_raw_value(variable, tensor):
 
 def own_variables(layer):
     """The variables a layer created itself (not its sublayers')."""
-    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+    return list(layer._trainable_variables) + list(
+        layer._non_trainable_variables
+    )
 
 
 def variable_layout(variable):
@@ -251,8 +255,12 @@ def dropout_uses_seed(seed, noise_shape):
     """True when Keras' torch `dropout` draws its mask from `seed` (a
     torch.Generator made from it), False when it calls torch's unseeded
     `F.dropout` (torch's global generator): the test Keras makes."""
-    unseeded_generator = is_keras_seed_generator(seed) and seed._initial_seed is None
-    return (seed is not None and not unseeded_generator) or noise_shape is not None
+    unseeded_generator = (
+        is_keras_seed_generator(seed) and seed._initial_seed is None
+    )
+    return (
+        seed is not None and not unseeded_generator
+    ) or noise_shape is not None
 
 
 def batch_norm_reduction_axes(layer):
@@ -323,8 +331,6 @@ def initializer_kind(initializer):
     return None
 
 
-
-
 # ---------------------------------------------------------------------------
 # The owners of the attributes `_install.py` replaces.
 # ---------------------------------------------------------------------------
@@ -335,7 +341,11 @@ torch_nn_module = torch_nn
 torch_core_module = torch_core
 torch_numpy_module = torch_numpy
 Distribution = keras_distribution_lib.Distribution
-KERAS_FILE_STORES = (saving_lib.H5IOStore, saving_lib.ShardedH5IOStore, saving_lib.NpzIOStore)
+KERAS_FILE_STORES = (
+    saving_lib.H5IOStore,
+    saving_lib.ShardedH5IOStore,
+    saving_lib.NpzIOStore,
+)
 torch_random_module = torch_random
 BatchNormalization = batch_normalization.BatchNormalization
 Layer = keras_layer.Layer

@@ -27,13 +27,25 @@ def print_env():
         "supported keras": keras_torch_distribution.SUPPORTED_KERAS_TEXT,
         "cuda available": torch.cuda.is_available(),
         "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version()))
+        if torch.cuda.is_available()
+        else None,
         "gpu count": torch.cuda.device_count(),
         "gloo available": torch.distributed.is_gloo_available(),
     }
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "KERAS_BACKEND", "KTD_TIMEOUT_SECONDS", "KTD_DEVICE", "KTD_CLUSTER",
-                "KTD_SPAWN", "OMP_NUM_THREADS"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "KERAS_BACKEND",
+        "KTD_TIMEOUT_SECONDS",
+        "KTD_DEVICE",
+        "KTD_CLUSTER",
+        "KTD_SPAWN",
+        "OMP_NUM_THREADS",
+    ):
         lines[key] = os.environ.get(key)
     for key, value in lines.items():
         print(f"{key:26} {value}")
@@ -72,7 +84,10 @@ def main(argv=None):
         return print_env()
     if command == "report":
         if len(rest) != 1:
-            print(f"ktd report: give one checkpoint directory\n{USAGE}", file=sys.stderr)
+            print(
+                f"ktd report: give one checkpoint directory\n{USAGE}",
+                file=sys.stderr,
+            )
             return 2
         from keras_torch_distribution.checkpoint import NotACheckpointError
         from keras_torch_distribution.report import checkpoint_table

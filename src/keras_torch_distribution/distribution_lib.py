@@ -29,8 +29,9 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     runtime.initialize(job_addresses, num_processes, process_id)
 
 
-def check_distribution(original, distribution, device_mesh, batch_dim_name=None,
-                       *args, **kwargs):
+def check_distribution(
+    original, distribution, device_mesh, batch_dim_name=None, *args, **kwargs
+):
     """Keras `Distribution.__init__`, which first checks that the batch axis
     is an axis of the mesh and, once processes run, that the mesh covers
     every process (DataParallel never builds a torch mesh, so a mesh of
@@ -82,7 +83,9 @@ def distribute_tensor(tensor, layout):
     torch_layout = _resolve(layout)
     if not _keras.in_outer_call():
         distribution = _keras.current_distribution()
-        batch_axis = None if distribution is None else distribution.batch_dim_name
+        batch_axis = (
+            None if distribution is None else distribution.batch_dim_name
+        )
         torch_layout = layouts.without_axis(torch_layout, batch_axis)
         if not torch_layout.is_sharded:
             return tensors.full_value(tensor)

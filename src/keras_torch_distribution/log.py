@@ -74,7 +74,11 @@ def first_line(message, limit=400):
     layer error's first line only names the layer that was called; the
     error itself is the next line, which is added. Cut at `limit`
     characters."""
-    lines = [line.strip() for line in _ANSI.sub("", str(message)).splitlines() if line.strip()]
+    lines = [
+        line.strip()
+        for line in _ANSI.sub("", str(message)).splitlines()
+        if line.strip()
+    ]
     if not lines:
         return ""
     text = lines[0]

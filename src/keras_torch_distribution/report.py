@@ -12,12 +12,12 @@ from here too.
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.distributed import runtime
-from keras_torch_distribution.distributed import tensors
-from keras_torch_distribution.variables import left_whole
 from keras_torch_distribution.checkpoint.inspect import checkpoint_table  # noqa: F401
 from keras_torch_distribution.checkpoint.inspect import format_checkpoint_table  # noqa: F401
+from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.log import logger
+from keras_torch_distribution.variables import left_whole
 
 
 def _rows_for(variable):
@@ -48,12 +48,17 @@ def shard_table(model):
         row = dict(_rows_for(v), kind="param")
         if id(v) in whole:
             entry = whole[id(v)]
-            row["left_whole"] = {"key": entry["key"], "axes": entry["axes"],
-                                 "share": entry["share"]}
+            row["left_whole"] = {
+                "key": entry["key"],
+                "axes": entry["axes"],
+                "share": entry["share"],
+            }
         rows.append(row)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and getattr(optimizer, "built", False):
-        rows += [dict(_rows_for(v), kind="optimizer") for v in optimizer.variables]
+        rows += [
+            dict(_rows_for(v), kind="optimizer") for v in optimizer.variables
+        ]
     return rows
 
 

@@ -71,7 +71,9 @@ def store_init(original, store, *args, **kwargs):
     scratch = None
     if collective and runtime.process_id() != 0:
         scratch = tempfile.mkdtemp(prefix="ktd-discard-")
-        arguments[path_name] = os.path.join(scratch, os.path.basename(str(path)))
+        arguments[path_name] = os.path.join(
+            scratch, os.path.basename(str(path))
+        )
     store._ktd_collective_write = (collective, scratch)
     try:
         return original(*bound.args, **bound.kwargs)

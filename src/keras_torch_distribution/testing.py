@@ -124,7 +124,11 @@ class ProcessGroupPool:
                     args=(rank, world_size, rendezvous, initialize, child_end),
                     daemon=True,
                 )
-                local = {} if "LOCAL_RANK" in self.env else {"LOCAL_RANK": str(rank)}
+                local = (
+                    {}
+                    if "LOCAL_RANK" in self.env
+                    else {"LOCAL_RANK": str(rank)}
+                )
                 with environment(local):
                     process.start()
                 child_end.close()
@@ -134,7 +138,9 @@ class ProcessGroupPool:
 
     @property
     def alive(self):
-        return bool(self._processes) and all(p.is_alive() for p in self._processes)
+        return bool(self._processes) and all(
+            p.is_alive() for p in self._processes
+        )
 
     def run(self, function, *args, timeout=None, **kwargs):
         """`function(*args, **kwargs)` on every rank; results in rank order."""

@@ -16,25 +16,39 @@ def _ktd(*args, timeout=240):
     env.pop("KERAS_BACKEND", None)
     return subprocess.run(
         [sys.executable, "-m", "keras_torch_distribution", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 @pytest.mark.slow
 def test_checkpoint_example_resumes_and_report_shows_shards(tmp_path):
     directory = str(tmp_path / "ckpt")
-    first = _ktd("run", "-n", "2", "examples/checkpoint_resume.py", directory, "4")
+    first = _ktd(
+        "run", "-n", "2", "examples/checkpoint_resume.py", directory, "4"
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert "first run: epochs [0, 1]" in first.stdout
-    second = _ktd("run", "-n", "2", "examples/checkpoint_resume.py", directory, "4")
+    second = _ktd(
+        "run", "-n", "2", "examples/checkpoint_resume.py", directory, "4"
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed: epochs [2, 3]" in second.stdout
     newest = sorted(os.listdir(directory))[-1]
     report = _ktd("report", os.path.join(directory, newest))
     assert report.returncode == 0, report.stderr
-    kernel = [l for l in report.stdout.splitlines() if l.startswith("model/hidden/kernel")]
+    kernel = [
+        l
+        for l in report.stdout.splitlines()
+        if l.startswith("model/hidden/kernel")
+    ]
     assert kernel and "0: (0, 0)+(16, 32); 1: (0, 32)+(16, 32)" in kernel[0]
-    assert re.search(r"bytes written per rank: rank 0: [\d,]+, rank 1: [\d,]+", report.stdout)
+    assert re.search(
+        r"bytes written per rank: rank 0: [\d,]+, rank 1: [\d,]+", report.stdout
+    )
     missing = _ktd("report", str(tmp_path / "nothing"))
     assert missing.returncode == 2
     assert "is not a complete checkpoint: it does not exist" in missing.stderr

@@ -49,15 +49,28 @@ def _torchrun(tmp_path, attempt):
         PYTHONWARNINGS="ignore",
     )
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", "2", "--monitor-interval", "0.2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.2",
         os.path.join(TESTS, "scripts", "resume_fit.py"),
-        str(tmp_path / "backup"), str(tmp_path), str(attempt),
+        str(tmp_path / "backup"),
+        str(tmp_path),
+        str(attempt),
     ]
     # Its own session, so that a timeout ends torchrun and its workers.
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         _, stderr = process.communicate(timeout=120)
@@ -106,7 +119,9 @@ def async_never_completed(path):
 
     distribute(SAVE_RULES)
     model = checkpoint_model()
-    model.fit(*checkpoint_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model.fit(
+        *checkpoint_data(), batch_size=8, epochs=1, shuffle=False, verbose=0
+    )
     checkpoint.async_save(model, path, extra={"epoch": 1})  # no .result()
     pending_early = checkpoint.is_checkpoint(path)
     records = []
@@ -117,7 +132,12 @@ def async_never_completed(path):
         _dcp.complete_at_exit()  # what atexit runs
     finally:
         logger.removeHandler(handler)
-    return pending_early, checkpoint.is_checkpoint(path), [r.getMessage() for r in records], checkpoint_values(model)
+    return (
+        pending_early,
+        checkpoint.is_checkpoint(path),
+        [r.getMessage() for r in records],
+        checkpoint_values(model),
+    )
 
 
 def test_async_save_never_completed_is_completed_at_exit(pool2, tmp_path):
@@ -132,15 +152,26 @@ def test_async_save_never_completed_is_completed_at_exit(pool2, tmp_path):
         "checkpoint.async_save(checkpoint_model(), sys.argv[1], extra={'epoch': 7})\n"
     )
     one = str(tmp_path / "one")
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="torch",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
     done = subprocess.run(
         [sys.executable, "-c", script, one, TESTS],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert checkpoint.is_checkpoint(one), done.stderr[-3000:]
     assert checkpoint.read_extra(one) == {"epoch": 7}
-    assert "never completed with .result(); completing it at exit" in done.stderr
+    assert (
+        "never completed with .result(); completing it at exit" in done.stderr
+    )
 
     # On 2 ranks, what the exit hook does (the pool's ranks do not exit).
     path = str(tmp_path / "async")
@@ -148,7 +179,9 @@ def test_async_save_never_completed_is_completed_at_exit(pool2, tmp_path):
     for rank, (early, complete, messages, _) in enumerate(results):
         assert early is False and complete is True
         if rank == 0:  # the package logs from rank 0
-            assert any("never completed with .result()" in m for m in messages), messages
+            assert any(
+                "never completed with .result()" in m for m in messages
+            ), messages
     model = checkpoint_model()
     assert checkpoint.load(model, path) == {"epoch": 1}
     assert_same_values(checkpoint_values(model), results[0][3])

@@ -27,14 +27,38 @@ RUNS = int(os.environ.get("KTD_EXIT_RUNS", "20"))
 
 
 def _run_job(directory):
-    env = dict(os.environ, OMP_NUM_THREADS="1", KTD_DEVICE="cpu", PYTHONFAULTHANDLER="1")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        KTD_DEVICE="cpu",
+        PYTHONFAULTHANDLER="1",
+    )
     env.pop("KERAS_BACKEND", None)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(key, None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "keras_torch_distribution", "run", "-n", "2", SCRIPT, str(directory)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "keras_torch_distribution",
+            "run",
+            "-n",
+            "2",
+            SCRIPT,
+            str(directory),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     return finish(process, 240)
 
@@ -48,7 +72,10 @@ def _assert_clean(result, directory):
     assert checkpoint.is_checkpoint(at_exit), sorted(os.listdir(directory))
     assert checkpoint.read_extra(at_exit) == {"epoch": 2}
     assert not os.path.exists(at_exit + ".incomplete")
-    assert "was never completed with .result(); completing it at exit" in result.stderr
+    assert (
+        "was never completed with .result(); completing it at exit"
+        in result.stderr
+    )
     assert "already shut down" not in result.stderr
 
 
@@ -67,4 +94,6 @@ def test_repeated_jobs_all_exit_cleanly(tmp_path):
             _assert_clean(result, str(directory))
         except AssertionError as error:
             failures.append(f"run {run}: {str(error)[-1500:]}")
-    assert not failures, f"{len(failures)} of {RUNS} runs failed:\n" + "\n".join(failures)
+    assert not failures, (
+        f"{len(failures)} of {RUNS} runs failed:\n" + "\n".join(failures)
+    )

@@ -29,16 +29,36 @@ import pytest
 from helpers import ROOT
 from helpers import finish
 from helpers import free_port
-
 from keras_torch_distribution.launch import environments
 
 _SCRIPT = "tests/scripts/dp_train.py"
-_NUMBERS = re.compile(r"rank=(\d+) world=(\d+) losses=(\[[^\]]*\]) weight_sums=(\[[^\]]*\])")
+_NUMBERS = re.compile(
+    r"rank=(\d+) world=(\d+) losses=(\[[^\]]*\]) weight_sums=(\[[^\]]*\])"
+)
 # Variables of launchers that must not leak from the test's own environment.
-_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "MV2_", "JSM_", "LSB_", "PET_",
-                      "TORCHELASTIC_", "KERAS_DISTRIBUTION_", "KTD_")
-_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                   "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "JOB_COMPLETION_INDEX")
+_LAUNCHER_PREFIXES = (
+    "SLURM_",
+    "OMPI_",
+    "PMI_",
+    "MV2_",
+    "JSM_",
+    "LSB_",
+    "PET_",
+    "TORCHELASTIC_",
+    "KERAS_DISTRIBUTION_",
+    "KTD_",
+)
+_LAUNCHER_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "JOB_COMPLETION_INDEX",
+)
 
 
 @pytest.fixture
@@ -48,17 +68,31 @@ def marker():
 
 
 def _env(marker, **extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
-    env.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", KTD_DEVICE="cpu",
-               KTD_TIMEOUT_SECONDS="120", KTD_TEST_MARKER=marker, **extra)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES
+    }
+    env.update(
+        KERAS_BACKEND="torch",
+        OMP_NUM_THREADS="1",
+        KTD_DEVICE="cpu",
+        KTD_TIMEOUT_SECONDS="120",
+        KTD_TEST_MARKER=marker,
+        **extra,
+    )
     return env
 
 
 def _start(args, env):
     return subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -95,7 +129,10 @@ def _marked_processes(marker):
 
 def _numbers(results):
     for result in results:
-        assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+        assert result.returncode == 0, (
+            result.stdout[-2000:],
+            result.stderr[-4000:],
+        )
     return sorted(_NUMBERS.findall("".join(r.stdout for r in results)))
 
 
@@ -110,10 +147,16 @@ def reference():
 
 def _assert_one_process_numbers(results, reference, world=2):
     got = _numbers(results)
-    assert [g[:2] for g in got] == [(str(r), str(world)) for r in range(world)], got
+    assert [g[:2] for g in got] == [
+        (str(r), str(world)) for r in range(world)
+    ], got
     for _, _, losses, weights in got:
-        np.testing.assert_allclose(eval(losses), reference[0], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(eval(weights), reference[1], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            eval(losses), reference[0], rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            eval(weights), reference[1], rtol=1e-5, atol=1e-5
+        )
 
 
 def _id_with_a_free_port(environment, make_env):
@@ -122,7 +165,9 @@ def _id_with_a_free_port(environment, make_env):
     for _ in range(50):
         job_id = str(uuid.uuid4().int % 10**6)
         launch = environments.detect(make_env(job_id))
-        assert launch.environment == environment and launch.address == "127.0.0.1"
+        assert (
+            launch.environment == environment and launch.address == "127.0.0.1"
+        )
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", launch.port))
@@ -133,20 +178,33 @@ def _id_with_a_free_port(environment, make_env):
 
 
 def _slurm_step(job_id, rank):
-    return {"SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "127.0.0.1",
-            "SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-            "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NNODES": "1"}
+    return {
+        "SLURM_JOB_ID": job_id,
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [[_SCRIPT], [_SCRIPT, "--without-initialize"]],
-                         ids=["initialize", "never-calls-initialize"])
+@pytest.mark.parametrize(
+    "script",
+    [[_SCRIPT], [_SCRIPT, "--without-initialize"]],
+    ids=["initialize", "never-calls-initialize"],
+)
 def test_srun_step(reference, marker, script):
     """`srun -n 2 python train.py`: address from the step's node list, port
     from the job and step ids, ranks from SLURM_PROCID; a script that never
     calls initialize() joins on its first list_devices()."""
     job = _id_with_a_free_port("slurm", lambda job_id: _slurm_step(job_id, 0))
-    results = _run_all([_env(marker, **_slurm_step(job, rank)) for rank in (0, 1)], script)
+    results = _run_all(
+        [_env(marker, **_slurm_step(job, rank)) for rank in (0, 1)], script
+    )
     _assert_one_process_numbers(results, reference)
 
 
@@ -154,10 +212,15 @@ def test_srun_step(reference, marker, script):
 def test_open_mpi(reference, marker):
     """`mpirun -np 2 python train.py` (Open MPI 4): address and port from
     the launcher's URI, as JAX reads them; no MASTER_ADDR given."""
+
     def ompi(job_id, rank=0):
-        return {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank),
-                "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-                "OMPI_MCA_orte_hnp_uri": f"{int(job_id) * 4096}.0;tcp://127.0.0.1:34911"}
+        return {
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_RANK": str(rank),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "OMPI_MCA_orte_hnp_uri": f"{int(job_id) * 4096}.0;tcp://127.0.0.1:34911",
+        }
 
     job = _id_with_a_free_port("openmpi", ompi)
     results = _run_all([_env(marker, **ompi(job, rank)) for rank in (0, 1)])
@@ -169,9 +232,18 @@ def test_mpich_pmi(reference, marker):
     """`mpiexec -n 2 python train.py` (MPICH / Intel MPI's Hydra), with
     MASTER_ADDR and MASTER_PORT exported to every process."""
     port = str(free_port())
-    envs = [_env(marker, PMI_RANK=str(rank), PMI_SIZE="2", MPI_LOCALRANKID=str(rank),
-                 MPI_LOCALNRANKS="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            for rank in (0, 1)]
+    envs = [
+        _env(
+            marker,
+            PMI_RANK=str(rank),
+            PMI_SIZE="2",
+            MPI_LOCALRANKID=str(rank),
+            MPI_LOCALNRANKS="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        for rank in (0, 1)
+    ]
     _assert_one_process_numbers(_run_all(envs), reference)
 
 
@@ -191,9 +263,18 @@ def test_kubeflow_nodes_each_start_their_processes(reference, marker):
     processes (KTD_SPAWN=2 on CPU): ranks node_rank * 2 + local index of a
     world of 4, joined at node 0's rendezvous."""
     port = str(free_port())
-    envs = [_env(marker, PET_NNODES="2", PET_NODE_RANK=str(node), PET_NPROC_PER_NODE="auto",
-                 PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=port, KTD_SPAWN="2")
-            for node in (0, 1)]
+    envs = [
+        _env(
+            marker,
+            PET_NNODES="2",
+            PET_NODE_RANK=str(node),
+            PET_NPROC_PER_NODE="auto",
+            PET_MASTER_ADDR="127.0.0.1",
+            PET_MASTER_PORT=port,
+            KTD_SPAWN="2",
+        )
+        for node in (0, 1)
+    ]
     _assert_one_process_numbers(_run_all(envs, timeout=400), reference, world=4)
 
 
@@ -203,8 +284,11 @@ def test_a_started_process_that_raises_ends_the_command(marker):
     and the command exits non-zero in bounded time, its last line naming
     process 1 and its exception; no process is left."""
     start = time.monotonic()
-    (result,) = _run_all([_env(marker, KERAS_DISTRIBUTION_NUM_PROCESSES="2")],
-                         ("tests/scripts/rank_fails.py", "raise"), timeout=240)
+    (result,) = _run_all(
+        [_env(marker, KERAS_DISTRIBUTION_NUM_PROCESSES="2")],
+        ("tests/scripts/rank_fails.py", "raise"),
+        timeout=240,
+    )
     elapsed = time.monotonic() - start
     assert result.returncode != 0, result.stdout[-3000:]
     assert "finished training" not in result.stdout
@@ -221,8 +305,10 @@ def test_a_started_process_that_raises_ends_the_command(marker):
 def test_started_processes_die_with_a_killed_launcher(marker):
     """SIGKILL to the process that started them (no handler can run): the
     kernel kills the started processes too (PR_SET_PDEATHSIG)."""
-    launcher = _start(["tests/scripts/wait_after_initialize.py"],
-                      _env(marker, KERAS_DISTRIBUTION_NUM_PROCESSES="2"))
+    launcher = _start(
+        ["tests/scripts/wait_after_initialize.py"],
+        _env(marker, KERAS_DISTRIBUTION_NUM_PROCESSES="2"),
+    )
     try:
         ready = []
         deadline = time.monotonic() + 240
@@ -231,9 +317,12 @@ def test_started_processes_die_with_a_killed_launcher(marker):
             if not line:
                 break
             ready += re.findall(r"ready rank=(\d) pid=(\d+)", line)
-        assert sorted(r[0] for r in ready) == ["0", "1"], launcher.stderr.read()[-3000:]
+        assert sorted(r[0] for r in ready) == ["0", "1"], (
+            launcher.stderr.read()[-3000:]
+        )
         assert sorted(_marked_processes(marker)) == sorted(
-            [launcher.pid] + [int(pid) for _, pid in ready])
+            [launcher.pid] + [int(pid) for _, pid in ready]
+        )
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(30)
         deadline = time.monotonic() + 20

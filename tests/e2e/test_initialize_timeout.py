@@ -18,7 +18,6 @@ import pytest
 from helpers import LAUNCHER_VARIABLES
 from helpers import ROOT
 
-
 # --------------------------------------------------------------------------
 # Two processes: a coordinator port held by a program that never answers
 # --------------------------------------------------------------------------
@@ -41,7 +40,9 @@ class _SilentPorts:
         with socket.socket() as closed:
             closed.bind(("127.0.0.1", 0))
             ports = {"closed": closed.getsockname()[1]}
-        ports.update({kind: s.getsockname()[1] for kind, s in self.sockets.items()})
+        ports.update(
+            {kind: s.getsockname()[1] for kind, s in self.sockets.items()}
+        )
         return ports
 
     def _accept(self):
@@ -81,8 +82,13 @@ def test_initialize_ends_within_the_timeout_when_nothing_answers():
     reaches something that never answers (or nothing at all): both end
     within KTD_TIMEOUT_SECONDS plus a margin, saying what to do."""
     timeout = 2
-    env = dict(os.environ, KERAS_BACKEND="torch", KTD_DEVICE="cpu", OMP_NUM_THREADS="1",
-               KTD_TIMEOUT_SECONDS=str(timeout))
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="torch",
+        KTD_DEVICE="cpu",
+        OMP_NUM_THREADS="1",
+        KTD_TIMEOUT_SECONDS=str(timeout),
+    )
     for key in LAUNCHER_VARIABLES:
         env.pop(key, None)
     with _SilentPorts() as ports:
@@ -90,9 +96,17 @@ def test_initialize_ends_within_the_timeout_when_nothing_answers():
         held = {kind: ports[kind] for kind in ("accepts", "listens")}
         processes = [
             subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(_TRY_EACH_PORT), str(process_id),
-                 json.dumps(held if process_id == 0 else ports)],
-                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                [
+                    sys.executable,
+                    "-c",
+                    textwrap.dedent(_TRY_EACH_PORT),
+                    str(process_id),
+                    json.dumps(held if process_id == 0 else ports),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
             )
             for process_id in (0, 1)
@@ -106,10 +120,14 @@ def test_initialize_ends_within_the_timeout_when_nothing_answers():
                     p.communicate()
     results = {}
     for process_id, (stdout, stderr) in enumerate(outputs):
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULT")]
-        assert len(lines) == (2 if process_id == 0 else 3), stdout + stderr[-3000:]
+        lines = [
+            line for line in stdout.splitlines() if line.startswith("RESULT")
+        ]
+        assert len(lines) == (2 if process_id == 0 else 3), (
+            stdout + stderr[-3000:]
+        )
         for line in lines:
-            kind, message, seconds = json.loads(line[len("RESULT"):])
+            kind, message, seconds = json.loads(line[len("RESULT") :])
             results[process_id, kind] = message, seconds
     for (process_id, kind), (message, seconds) in results.items():
         assert message is not None, (process_id, kind)

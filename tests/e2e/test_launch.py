@@ -26,7 +26,13 @@ from helpers import free_port
 def _env(**extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", KTD_DEVICE="cpu", **extra)
     env.pop("KERAS_BACKEND", None)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(key, None)
     return env
 
@@ -35,8 +41,12 @@ def _start(args, env):
     """`ktd ARGS` in a new session (so that it and its ranks can be killed)."""
     return subprocess.Popen(
         [sys.executable, "-m", "keras_torch_distribution", *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -50,8 +60,16 @@ def test_demo_trains_with_both_distributions_and_shows_shards():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "devices: ['cpu:0', 'cpu:1']" in out
-    dp = [line for line in out.splitlines() if line.startswith("DataParallel loss")]
-    mp = [line for line in out.splitlines() if line.startswith("ModelParallel loss")]
+    dp = [
+        line
+        for line in out.splitlines()
+        if line.startswith("DataParallel loss")
+    ]
+    mp = [
+        line
+        for line in out.splitlines()
+        if line.startswith("ModelParallel loss")
+    ]
     assert len(dp) == len(mp) == 1  # printed by rank 0 only
     losses = eval(dp[0].split(":", 1)[1])  # a printed list of floats
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0]
@@ -65,7 +83,9 @@ def test_unchanged_keras_script_runs_on_torch():
     result = _ktd_run("tests/scripts/unchanged_keras_script.py")
     assert result.returncode == 0, result.stderr[-3000:]
     # Both ranks print one report each (their writes may interleave).
-    reports = re.findall(r"processes=(\d+) backend=(\w+) loss=(\d+\.\d{6})", result.stdout)
+    reports = re.findall(
+        r"processes=(\d+) backend=(\w+) loss=(\d+\.\d{6})", result.stdout
+    )
     assert len(reports) == 2, result.stdout
     assert all(r[:2] == ("2", "torch") for r in reports)
     assert reports[0][2] == reports[1][2]
@@ -76,7 +96,9 @@ def test_unchanged_keras_script_runs_on_torch():
 # --------------------------------------------------------------------------
 
 
-_NUMBERS = re.compile(r"rank=(\d) world=(\d) losses=(\[[^\]]*\]) weight_sums=(\[[^\]]*\])")
+_NUMBERS = re.compile(
+    r"rank=(\d) world=(\d) losses=(\[[^\]]*\]) weight_sums=(\[[^\]]*\])"
+)
 
 
 def _numbers(output):
@@ -89,13 +111,31 @@ def test_two_nodes_give_the_numbers_of_one_node():
     one_node = _ktd_run(script)
     assert one_node.returncode == 0, one_node.stderr[-3000:]
     expected = _numbers(one_node.stdout)
-    assert [r[:2] for r in expected] == [("0", "2"), ("1", "2")], one_node.stdout
+    assert [r[:2] for r in expected] == [("0", "2"), ("1", "2")], (
+        one_node.stdout
+    )
 
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
-        _start(["run", "--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", endpoint, "--rdzv-id", "ktd-test", "-n", "1", script],
-               _env())
+        _start(
+            [
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "ktd-test",
+                "-n",
+                "1",
+                script,
+            ],
+            _env(),
+        )
         for node in (0, 1)
     ]
     try:
@@ -108,7 +148,9 @@ def test_two_nodes_give_the_numbers_of_one_node():
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     got = _numbers("".join(r.stdout for r in results))
-    assert [r[:2] for r in got] == [("0", "2"), ("1", "2")], [r.stdout for r in results]
+    assert [r[:2] for r in got] == [("0", "2"), ("1", "2")], [
+        r.stdout for r in results
+    ]
     # Same losses and weights, printed to 6 decimals.
     assert [r[2:] for r in got] == [r[2:] for r in expected]
 
@@ -131,8 +173,9 @@ def _failed_launch(*args, timeout, **env):
 
 @pytest.mark.slow
 def test_a_rank_that_raises_mid_fit_ends_the_job():
-    summary, elapsed, stderr = _failed_launch("tests/scripts/rank_fails.py", "raise",
-                                              timeout=90)
+    summary, elapsed, stderr = _failed_launch(
+        "tests/scripts/rank_fails.py", "raise", timeout=90
+    )
     assert elapsed < 60, f"took {elapsed:.0f} s"
     assert summary.startswith(
         "ktd run: rank 1 (local rank 1) failed first, exit code 1: RuntimeError: "
@@ -146,10 +189,16 @@ def test_a_rank_that_stops_answering_times_out():
     """Rank 1 sleeps instead of training: rank 0's gradient all-reduce gives
     up after KTD_TIMEOUT_SECONDS (the process group's timeout), and torchrun
     then stops rank 1."""
-    summary, elapsed, _ = _failed_launch("tests/scripts/rank_fails.py", "stall",
-                                         timeout=120, KTD_TIMEOUT_SECONDS="5")
+    summary, elapsed, _ = _failed_launch(
+        "tests/scripts/rank_fails.py",
+        "stall",
+        timeout=120,
+        KTD_TIMEOUT_SECONDS="5",
+    )
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    assert summary.startswith("ktd run: rank 0 (local rank 0) failed first"), summary
+    assert summary.startswith("ktd run: rank 0 (local rank 0) failed first"), (
+        summary
+    )
     assert "Timed out waiting 5000ms" in summary, summary
 
 
@@ -160,7 +209,8 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it():
     recorded first (in whole seconds), as happens by chance with the
     default 0.1 s."""
     summary, _, stderr = _failed_launch(
-        "--monitor-interval", "3", "tests/scripts/rank_killed.py", timeout=180)
+        "--monitor-interval", "3", "tests/scripts/rank_killed.py", timeout=180
+    )
     assert summary.startswith(
         "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit code -9). "
         "It was killed from outside Python"
@@ -185,16 +235,25 @@ def test_a_script_that_never_calls_initialize_starts_the_group_on_first_use():
     # The same script in one plain process (no launcher environment).
     alone = subprocess.Popen(
         [sys.executable, "-m", "keras_torch_distribution.launch", *script],
-        cwd=ROOT, env=_env(KERAS_BACKEND="torch"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=ROOT,
+        env=_env(KERAS_BACKEND="torch"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     launched, alone = _finish(launched, 240), _finish(alone, 240)
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert "devices=['cpu:0']" in alone.stdout
-    assert launched.stdout.count("devices=['cpu:0', 'cpu:1']") == 2, launched.stdout
-    started = [line for line in launched.stderr.splitlines()
-               if "keras.distribution.initialize() was not called" in line]
+    assert launched.stdout.count("devices=['cpu:0', 'cpu:1']") == 2, (
+        launched.stdout
+    )
+    started = [
+        line
+        for line in launched.stderr.splitlines()
+        if "keras.distribution.initialize() was not called" in line
+    ]
     assert len(started) == 1, launched.stderr[-3000:]
     assert started[0].startswith(
         "[ktd rank 0] INFO: keras.distribution.initialize() was not called: "
@@ -203,11 +262,16 @@ def test_a_script_that_never_calls_initialize_starts_the_group_on_first_use():
     ), started
     (reference,) = _RESULT.findall(alone.stdout)
     got = _RESULT.findall(launched.stdout)
-    assert reference[0] == "1" and [r[0] for r in got] == ["2", "2"], launched.stdout
+    assert reference[0] == "1" and [r[0] for r in got] == ["2", "2"], (
+        launched.stdout
+    )
     for world, losses, weight_sums in got:
-        np.testing.assert_allclose(eval(losses), eval(reference[1]), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(eval(weight_sums), eval(reference[2]),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            eval(losses), eval(reference[1]), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            eval(weight_sums), eval(reference[2]), rtol=1e-5, atol=1e-5
+        )
 
 
 # --------------------------------------------------------------------------
@@ -218,7 +282,7 @@ def test_a_script_that_never_calls_initialize_starts_the_group_on_first_use():
 def _losses(output, label="loss per epoch:"):
     lines = [line for line in output.splitlines() if line.startswith(label)]
     assert len(lines) == 1, output  # printed by rank 0 only
-    return eval(lines[0][len(label):])  # a printed list of floats
+    return eval(lines[0][len(label) :])  # a printed list of floats
 
 
 @pytest.mark.slow
@@ -227,7 +291,9 @@ def test_example_data_parallel_classifier():
     assert result.returncode == 0, result.stderr[-3000:]
     losses = _losses(result.stdout)
     assert losses[-1] < losses[0] / 2
-    accuracy = float(re.search(r"test loss \S+ accuracy (\S+)", result.stdout).group(1))
+    accuracy = float(
+        re.search(r"test loss \S+ accuracy (\S+)", result.stdout).group(1)
+    )
     assert accuracy > 0.9
     assert "predictions (512, 4)" in result.stdout
 
@@ -240,12 +306,21 @@ def test_example_transformer_language_model():
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 2
     out = result.stdout
     # vocabulary-, head- and column/row-sharded, each rank holding half
-    assert re.search(r"token_embedding/embeddings +\(64, 32\) +\('model', None\) "
-                     r"+\(32, 32\) +\(32, 32\)", out), out
-    assert re.search(r"block0_attention/query/kernel +\(32, 4, 8\) .* +\(32, 2, 8\) "
-                     r"+\(32, 2, 8\)", out), out
-    assert re.search(r"block1_mlp_down/kernel +\(64, 32\) +\('model', None\) "
-                     r"+\(32, 32\) +\(32, 32\)", out), out
+    assert re.search(
+        r"token_embedding/embeddings +\(64, 32\) +\('model', None\) "
+        r"+\(32, 32\) +\(32, 32\)",
+        out,
+    ), out
+    assert re.search(
+        r"block0_attention/query/kernel +\(32, 4, 8\) .* +\(32, 2, 8\) "
+        r"+\(32, 2, 8\)",
+        out,
+    ), out
+    assert re.search(
+        r"block1_mlp_down/kernel +\(64, 32\) +\('model', None\) "
+        r"+\(32, 32\) +\(32, 32\)",
+        out,
+    ), out
 
 
 @pytest.mark.slow
@@ -255,5 +330,7 @@ def test_example_hybrid_2d_mesh_on_4_processes():
     assert "mesh {'batch': 2, 'model': 2} over 4 processes" in result.stdout
     losses = _losses(result.stdout)
     assert losses == sorted(losses, reverse=True)
-    assert re.search(r"up/kernel +\(32, 128\) +\(None, 'model'\)( +\(32, 64\)){4}",
-                     result.stdout), result.stdout
+    assert re.search(
+        r"up/kernel +\(32, 128\) +\(None, 'model'\)( +\(32, 64\)){4}",
+        result.stdout,
+    ), result.stdout

@@ -14,9 +14,8 @@ import os
 
 import pytest
 
-from keras_torch_distribution.testing import ProcessGroupPool
-
 from helpers import free_port
+from keras_torch_distribution.testing import ProcessGroupPool
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +28,16 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
     import torch
     import torch.distributed as dist
 
-    from keras_torch_distribution.distributed import agreement
     from keras_torch_distribution.batch import adapter
+    from keras_torch_distribution.checkpoint import _files
+    from keras_torch_distribution.distributed import agreement
     from keras_torch_distribution.distributed import runtime
     from keras_torch_distribution.distributed import stopping
-    from keras_torch_distribution.checkpoint import _files
 
     rank = rank_by_pid[os.getpid()]
-    dist.init_process_group("cuda:gloo", init_method=f"tcp://{address}", rank=rank,
-                            world_size=2)
+    dist.init_process_group(
+        "cuda:gloo", init_method=f"tcp://{address}", rank=rank, world_size=2
+    )
     try:
         result = {"carries_cpu": runtime.carries_cpu_tensors(dist.group.WORLD)}
         try:  # the control: the world group itself refuses CPU tensors
@@ -70,18 +70,25 @@ def test_cpu_collectives_run_on_a_gloo_side_group(tmp_path):
     pool = ProcessGroupPool(2, timeout=120, initialize=False)
     try:
         ranks = {pid: rank for rank, pid in enumerate(pool.run(_pid))}
-        results = pool.run(_cpu_collectives_on_a_group_without_cpu,
-                           f"127.0.0.1:{free_port()}", ranks)
+        results = pool.run(
+            _cpu_collectives_on_a_group_without_cpu,
+            f"127.0.0.1:{free_port()}",
+            ranks,
+        )
     finally:
         pool.close()
     for rank, result in enumerate(results):
         assert result["carries_cpu"] is False
-        assert "No backend type associated with device type cpu" in result["world_refuses_cpu"]
+        assert (
+            "No backend type associated with device type cpu"
+            in result["world_refuses_cpu"]
+        )
         assert result["side_group_is_world"] is False
         assert result["side_group_again"] is True
         assert result["stopping"] == [1]
         assert result["agreed"] == 2
         assert result["disagreement"].startswith(
-            "fit() differs between ranks in x: ranks [0]: rank 0; ranks [1]: rank 1.")
+            "fit() differs between ranks in x: ranks [0]: rank 0; ranks [1]: rank 1."
+        )
         assert result["files_agree"] == rank
     assert results[0]["shuffle_draw"] == results[1]["shuffle_draw"]

@@ -101,7 +101,12 @@ def callback_fit(directory, epochs, restore, async_save=False):
         directory, max_to_keep=2, restore=restore, async_save=async_save
     )
     model.fit(
-        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=8,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
         callbacks=[callback, Epochs()],
     )
     return seen, sorted(os.listdir(directory)), checkpoint_values(model)
@@ -137,15 +142,19 @@ def test_save_on_2_load_on_1_2_and_4_with_other_layouts(pool2, pool4, tmp_path):
     assert_same_values(results[1][0], saved)
     assert placements["net/col/kernel"] == "(Shard(dim=1),)"
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary left
-    assert "optimizer/iteration" in json.loads(
-        (tmp_path / "ckpt" / checkpoint.MARKER).read_text()
-    )["variables"]
+    assert (
+        "optimizer/iteration"
+        in json.loads((tmp_path / "ckpt" / checkpoint.MARKER).read_text())[
+            "variables"
+        ]
+    )
 
     # Each rank wrote its own shards; replicated variables once.
     files = shard_files(path)
     assert files["model/col/kernel"] == ["__0_0.distcp", "__1_0.distcp"]
     assert files["optimizer/col/kernel/momentum"] == [
-        "__0_0.distcp", "__1_0.distcp"
+        "__0_0.distcp",
+        "__1_0.distcp",
     ]
     assert len(files["model/row/bias"]) == 1
     assert len(files["optimizer/iteration"]) == 1
@@ -168,10 +177,15 @@ def test_save_on_2_load_on_1_2_and_4_with_other_layouts(pool2, pool4, tmp_path):
         assert placed["net/row/bias"] == "(Shard(dim=0),)"
         assert_same_values(loaded, saved)
         for key in after:
-            np.testing.assert_allclose(continued[key], after[key], rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(
+                continued[key], after[key], rtol=1e-6, atol=1e-7
+            )
 
     # 4 processes on a 2x2 mesh sharding the kernel on both axes.
-    rules = {r".*col/kernel": ("batch", "model"), r".*row/kernel": ("model", None)}
+    rules = {
+        r".*col/kernel": ("batch", "model"),
+        r".*row/kernel": ("model", None),
+    }
     for _, loaded, placed, _ in pool4.run(
         load_and_continue, path, rules, (2, 2), ("batch", "model")
     ):
@@ -203,7 +217,9 @@ def test_one_process_checkpoint_loads_sharded_on_2(pool2, tmp_path):
 
 def test_async_save_keeps_the_values_of_its_call(pool2, tmp_path):
     path = str(tmp_path / "async")
-    for before, loaded, extra, complete_early in pool2.run(async_then_change, path):
+    for before, loaded, extra, complete_early in pool2.run(
+        async_then_change, path
+    ):
         assert extra == {"epoch": 1}
         assert_same_values(loaded, before)
         assert complete_early is False  # only result() completes it
@@ -218,7 +234,9 @@ def test_callback_saves_every_epoch_keeps_two_and_restores(pool2, tmp_path):
     assert seen == [0, 1, 2]
     assert names == ["ckpt-000000008", "ckpt-000000012"]
     assert checkpoint.read_extra(checkpoint.latest(directory)) == {
-        "epoch": 3, "batch": 0, "step": 12
+        "epoch": 3,
+        "batch": 0,
+        "step": 12,
     }
     model = checkpoint_model()
     checkpoint.load(model, checkpoint.latest(directory))
@@ -244,15 +262,23 @@ def test_mismatches_list_missing_unexpected_and_shapes(pool2, tmp_path):
     errors = pool2.run(mismatch_errors, path)[0]
     assert "shape mismatches" in errors["shape"]
     assert "model/col/kernel: (6, 16) vs (6, 8)" in errors["shape"]
-    assert "missing from the checkpoint (6): ['model/out/bias'" in errors["names"]
-    assert "in the checkpoint but not in the model (6): ['model/row/bias'" in errors["names"]
+    assert (
+        "missing from the checkpoint (6): ['model/out/bias'" in errors["names"]
+    )
+    assert (
+        "in the checkpoint but not in the model (6): ['model/row/bias'"
+        in errors["names"]
+    )
     assert "optimizer=False" in errors["names"]
     # Without the optimizer, a model compiled with another one loads.
     import keras
 
     model = checkpoint_model()
     model.compile(keras.optimizers.SGD(), "mse")
-    with pytest.raises(checkpoint.CheckpointMismatchError, match="optimizer/col/kernel/momentum"):
+    with pytest.raises(
+        checkpoint.CheckpointMismatchError,
+        match="optimizer/col/kernel/momentum",
+    ):
         checkpoint.load(model, path)
     checkpoint.load(model, path, optimizer=False)
 
@@ -273,7 +299,15 @@ def backup_twice(backup_dir):
     callback = keras.callbacks.BackupAndRestore(
         backup_dir, double_checkpoint=True, delete_checkpoint=False
     )
-    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[callback],
+    )
     return sorted(os.listdir(backup_dir)), [
         checkpoint.read_extra(os.path.join(backup_dir, name))
         for name in ("latest.ckpt", "previous.ckpt")
@@ -300,7 +334,10 @@ def async_saves_with_pinned_staging(first, second):
     from keras_torch_distribution.checkpoint import _dcp
 
     pinned = []
-    saved_pin, saved_available = torch.Tensor.pin_memory, _dcp.pinned_staging_available
+    saved_pin, saved_available = (
+        torch.Tensor.pin_memory,
+        _dcp.pinned_staging_available,
+    )
 
     def pin(tensor, *args, **kwargs):
         pinned.append(tensor.numel())
@@ -316,8 +353,13 @@ def async_saves_with_pinned_staging(first, second):
         before = checkpoint_values(model)
         pending = checkpoint.async_save(model, first)
         cache = _dcp.staging_memory.stager.state_dict_cache
-        pointers = {k: v.to_local().data_ptr() if hasattr(v, "to_local") else v.data_ptr()
-                    for k, v in cache.items() if v.dim()}
+        pointers = {
+            k: v.to_local().data_ptr()
+            if hasattr(v, "to_local")
+            else v.data_ptr()
+            for k, v in cache.items()
+            if v.dim()
+        }
         pinned_once = len(pinned)
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         after = checkpoint_values(model)
@@ -325,8 +367,12 @@ def async_saves_with_pinned_staging(first, second):
         first_complete = checkpoint.is_checkpoint(first) and pending.done()
         cache = _dcp.staging_memory.stager.state_dict_cache
         reused = pointers == {
-            k: v.to_local().data_ptr() if hasattr(v, "to_local") else v.data_ptr()
-            for k, v in cache.items() if v.dim()}
+            k: v.to_local().data_ptr()
+            if hasattr(v, "to_local")
+            else v.data_ptr()
+            for k, v in cache.items()
+            if v.dim()
+        }
         second_pending.result()
         pending.result()
         loaded = []
@@ -336,9 +382,15 @@ def async_saves_with_pinned_staging(first, second):
             fresh = checkpoint_model()
             checkpoint.load(fresh, path)
             loaded.append(checkpoint_values(fresh))
-        return {"before": before, "after": after, "loaded": loaded,
-                "first_complete": first_complete, "pinned_once": pinned_once,
-                "pinned": len(pinned), "reused": reused}
+        return {
+            "before": before,
+            "after": after,
+            "loaded": loaded,
+            "first_complete": first_complete,
+            "pinned_once": pinned_once,
+            "pinned": len(pinned),
+            "reused": reused,
+        }
     finally:
         torch.Tensor.pin_memory = saved_pin
         _dcp.pinned_staging_available = saved_available

@@ -69,8 +69,12 @@ def _error(call):
     try:
         call()
     except (Exception, CheckpointException) as error:  # returned to the test
-        return (type(error).__name__, str(error), getattr(error, "path", None),
-                getattr(error, "rank", None))
+        return (
+            type(error).__name__,
+            str(error),
+            getattr(error, "path", None),
+            getattr(error, "rank", None),
+        )
     return None
 
 
@@ -109,22 +113,30 @@ def open_malicious(path, run_directory, backup_dir):
     errors = {"load": _error(lambda: checkpoint.load(checkpoint_model(), path))}
     callback = checkpoint.ShardedCheckpoint(run_directory, restore=True)
     errors["ShardedCheckpoint"] = _error(
-        lambda: checkpoint_model().fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+        lambda: checkpoint_model().fit(
+            x, y, epochs=1, verbose=0, callbacks=[callback]
+        )
     )
     callback = keras.callbacks.BackupAndRestore(backup_dir)
     errors["BackupAndRestore"] = _error(
-        lambda: checkpoint_model().fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+        lambda: checkpoint_model().fit(
+            x, y, epochs=1, verbose=0, callbacks=[callback]
+        )
     )
     return errors
 
 
-def test_malicious_metadata_runs_nothing_and_names_the_class(pool2, tmp_path, capsys):
+def test_malicious_metadata_runs_nothing_and_names_the_class(
+    pool2, tmp_path, capsys
+):
     from keras_torch_distribution import checkpoint
     from keras_torch_distribution import cli
 
     flag = tmp_path / "ran"
     source = tmp_path / "source"
-    checkpoint.save(checkpoint_model(), source, extra={"epoch": 1, "step": 4, "batch": 0})
+    checkpoint.save(
+        checkpoint_model(), source, extra={"epoch": 1, "step": 4, "batch": 0}
+    )
     paths = {
         "load": tmp_path / "ckpt",
         "ShardedCheckpoint": tmp_path / "run" / "ckpt-000000004",
@@ -134,14 +146,19 @@ def test_malicious_metadata_runs_nothing_and_names_the_class(pool2, tmp_path, ca
         shutil.copytree(source, path)
         _poison(str(path), str(flag))
     errors = pool2.run(
-        open_malicious, str(paths["load"]), str(tmp_path / "run"), str(tmp_path / "backup")
+        open_malicious,
+        str(paths["load"]),
+        str(tmp_path / "run"),
+        str(tmp_path / "backup"),
     )
     assert not flag.exists()  # the command never ran
     for rank_errors in errors:
         for what, path in paths.items():
             kind, message, where, _ = rank_errors[what]
             assert kind == "UnsafeCheckpointError", (what, message)
-            assert "posix.system" in message and str(path / ".metadata") in message
+            assert (
+                "posix.system" in message and str(path / ".metadata") in message
+            )
             assert where == str(path / ".metadata")
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="posix.system"):
         checkpoint.load(checkpoint_model(), paths["load"])
@@ -171,7 +188,9 @@ def save_and_load_keras_file_with_a_lambda(path):
     return _error(lambda: keras.saving.load_model(path))
 
 
-def test_keras_file_loading_keeps_safe_mode_under_a_distribution(pool2, tmp_path):
+def test_keras_file_loading_keeps_safe_mode_under_a_distribution(
+    pool2, tmp_path
+):
     for kind, message, _, _ in pool2.run(
         save_and_load_keras_file_with_a_lambda, str(tmp_path / "lambda.keras")
     ):
@@ -191,7 +210,9 @@ def load_errors(path):
     return _error(lambda: checkpoint.load(checkpoint_model(), path))
 
 
-def test_flipped_or_truncated_shard_is_refused_naming_file_and_writer(pool2, tmp_path, capsys):
+def test_flipped_or_truncated_shard_is_refused_naming_file_and_writer(
+    pool2, tmp_path, capsys
+):
     from keras_torch_distribution import cli
 
     path = str(tmp_path / "ckpt")
@@ -200,7 +221,10 @@ def test_flipped_or_truncated_shard_is_refused_naming_file_and_writer(pool2, tmp
     original = open(shard, "rb").read()
     flipped = bytearray(original)
     flipped[len(flipped) // 2] ^= 0x10
-    cases = {"flipped": (bytes(flipped), "CRC-32"), "truncated": (original[:-100], "truncated")}
+    cases = {
+        "flipped": (bytes(flipped), "CRC-32"),
+        "truncated": (original[:-100], "truncated"),
+    }
     for name, (content, says) in cases.items():
         with open(shard, "wb") as f:
             f.write(content)
@@ -215,7 +239,9 @@ def test_flipped_or_truncated_shard_is_refused_naming_file_and_writer(pool2, tmp
     with open(shard, "wb") as f:
         f.write(original)
     assert cli.main(["report", path]) == 0
-    assert "intact: every file has the size and CRC-32" in capsys.readouterr().out
+    assert (
+        "intact: every file has the size and CRC-32" in capsys.readouterr().out
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -269,8 +295,14 @@ def save_errors(path, fill_after=None, size_limit_rank=None):
             _dcp._open = lambda p, mode: _FillingFile(open(p, mode))
         if limit:
             soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-            undo.callback(signal.signal, signal.SIGXFSZ, signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
-            undo.callback(resource.setrlimit, resource.RLIMIT_FSIZE, (soft, hard))
+            undo.callback(
+                signal.signal,
+                signal.SIGXFSZ,
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+            )
+            undo.callback(
+                resource.setrlimit, resource.RLIMIT_FSIZE, (soft, hard)
+            )
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
         error = _error(lambda: checkpoint.save(model, path))
     return error, checkpoint.is_checkpoint(path)
@@ -282,10 +314,14 @@ def _small_disk(directory):
     allowed, the bytes the fake file layer lets each rank write (less than
     either rank's part of the big model)."""
     os.makedirs(directory)
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", directory],
-        capture_output=True,
-    ).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", directory],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
     try:
         yield None if mounted else 256 * 1024
     finally:
@@ -301,7 +337,9 @@ def _assert_names_the_failure(error, says):
     assert says in message and where in message
 
 
-def test_full_disk_and_file_size_limit_name_file_rank_and_os_error(pool2, tmp_path):
+def test_full_disk_and_file_size_limit_name_file_rank_and_os_error(
+    pool2, tmp_path
+):
     full = str(tmp_path / "full")
     with _small_disk(full) as fill_after:
         results = pool2.run(save_errors, os.path.join(full, "ckpt"), fill_after)
@@ -315,7 +353,9 @@ def test_full_disk_and_file_size_limit_name_file_rank_and_os_error(pool2, tmp_pa
         assert error[3] == 1 and not complete
 
 
-def test_truncated_shard_without_checksums_names_file_and_writer(pool2, tmp_path):
+def test_truncated_shard_without_checksums_names_file_and_writer(
+    pool2, tmp_path
+):
     path = str(tmp_path / "ckpt")
     pool2.run(train_and_save, path)
 
@@ -344,8 +384,8 @@ def backup_with_snapshots(backup_dir, snapshots):
     epoch-2 one (what rank 0 dying there would leave), and once after."""
     import keras
 
-    from keras_torch_distribution.distributed import runtime
     from keras_torch_distribution.checkpoint import _files
+    from keras_torch_distribution.distributed import runtime
 
     distribute(SAVE_RULES)
     model = checkpoint_model()
@@ -374,10 +414,18 @@ def backup_with_snapshots(backup_dir, snapshots):
 
     os.makedirs(snapshots, exist_ok=True)
     rename, rmtree = _files.rename, _files._rmtree
-    _files.rename, _files._rmtree = stopping_first(rename), stopping_first(rmtree)
+    _files.rename, _files._rmtree = (
+        stopping_first(rename),
+        stopping_first(rmtree),
+    )
     try:
         model.fit(
-            x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+            x,
+            y,
+            batch_size=8,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
             callbacks=[Track(), keras.callbacks.BackupAndRestore(backup_dir)],
         )
     finally:
@@ -394,7 +442,9 @@ def test_backup_resumes_from_the_last_complete_backup_after_a_crash_at_each_step
     pool2, tmp_path
 ):
     snapshots = tmp_path / "snapshots"
-    reference = pool2.run(backup_with_snapshots, str(tmp_path / "backup"), str(snapshots))[0]
+    reference = pool2.run(
+        backup_with_snapshots, str(tmp_path / "backup"), str(snapshots)
+    )[0]
     names = sorted(os.listdir(snapshots))
     # marker in place, latest -> old, incomplete -> latest, old -> removing,
     # removing removed; then the state after all of them.
@@ -403,7 +453,10 @@ def test_backup_resumes_from_the_last_complete_backup_after_a_crash_at_each_step
         for seen, values in pool2.run(resume, str(snapshots / name)):
             # Until the marker is in place the new backup is incomplete: the
             # epoch-1 backup is the last complete one; from then on epoch 2's.
-            assert seen == ([1, 2] if index == 0 else [2]), (name, sorted(os.listdir(snapshots / name)))
+            assert seen == ([1, 2] if index == 0 else [2]), (
+                name,
+                sorted(os.listdir(snapshots / name)),
+            )
             assert_same_values(values, reference)
 
 
@@ -413,27 +466,47 @@ def fit_over_leftovers(directory, max_to_keep):
     distribute(SAVE_RULES)
     model = checkpoint_model()
     x, y = checkpoint_data()
-    callback = checkpoint.ShardedCheckpoint(directory, max_to_keep=max_to_keep, restore=True)
-    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
+    callback = checkpoint.ShardedCheckpoint(
+        directory, max_to_keep=max_to_keep, restore=True
+    )
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[callback],
+    )
     return sorted(os.listdir(directory))
 
 
-def test_incomplete_folders_are_removed_and_max_to_keep_counts_complete_ones(pool2, tmp_path):
+def test_incomplete_folders_are_removed_and_max_to_keep_counts_complete_ones(
+    pool2, tmp_path
+):
     from keras_torch_distribution import checkpoint
 
     directory = tmp_path / "run"
     model = checkpoint_model()
-    model.fit(*checkpoint_data(), batch_size=8, epochs=1, shuffle=False, verbose=0)
-    checkpoint.save(model, directory / "ckpt-000000004",
-                    extra={"epoch": 1, "batch": 0, "step": 4})
+    model.fit(
+        *checkpoint_data(), batch_size=8, epochs=1, shuffle=False, verbose=0
+    )
+    checkpoint.save(
+        model,
+        directory / "ckpt-000000004",
+        extra={"epoch": 1, "batch": 0, "step": 4},
+    )
     for leftover in ("ckpt-000000008.incomplete", "ckpt-000000002.removing"):
         (directory / leftover).mkdir()
         (directory / leftover / "__1_0.distcp").write_bytes(b"partial")
     # Resumes after epoch 1 and saves after epochs 2 and 3.
     assert pool2.run(fit_over_leftovers, str(directory), None)[0] == [
-        "ckpt-000000004", "ckpt-000000008", "ckpt-000000012"
+        "ckpt-000000004",
+        "ckpt-000000008",
+        "ckpt-000000012",
     ]
     (directory / "ckpt-000000016.incomplete").mkdir()
     assert pool2.run(fit_over_leftovers, str(directory), 2)[0] == [
-        "ckpt-000000008", "ckpt-000000012"
+        "ckpt-000000008",
+        "ckpt-000000012",
     ]

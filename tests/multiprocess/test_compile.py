@@ -31,7 +31,10 @@ def _model(jit_compile):
     outputs = keras.layers.Dense(OUTPUTS, name="out")(hidden)
     model = keras.Model(inputs, outputs)
     model.compile(
-        keras.optimizers.Adam(0.01), "mse", metrics=["mae"], jit_compile=jit_compile
+        keras.optimizers.Adam(0.01),
+        "mse",
+        metrics=["mae"],
+        jit_compile=jit_compile,
     )
     return model
 
@@ -56,9 +59,15 @@ def compiled_train(kind, jit_compile=True, epochs=2, prebuilt=False):
         model.make_predict_function()
         prebuilt_steps = [
             getattr(f, "_ktd_compiled_forward", False)
-            for f in (model.train_function, model.test_function, model.predict_function)
+            for f in (
+                model.train_function,
+                model.test_function,
+                model.predict_function,
+            )
         ]
-    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0)
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=epochs, shuffle=True, verbose=0
+    )
     evaluation = model.evaluate(x, y, batch_size=BATCH, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     weights = [np.asarray(v) for v in model.weights]
@@ -160,13 +169,19 @@ def fallback_train():
         set_distribution("dp")
         keras.utils.set_random_seed(7)
         inputs = keras.Input((FEATURES,), name="features")
-        hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
-        hidden = keras.layers.Lambda(_refuses_compilation, name="refuses")(hidden)
+        hidden = keras.layers.Dense(16, activation="relu", name="hidden")(
+            inputs
+        )
+        hidden = keras.layers.Lambda(_refuses_compilation, name="refuses")(
+            hidden
+        )
         outputs = keras.layers.Dense(OUTPUTS, name="out")(hidden)
         model = keras.Model(inputs, outputs, name="uncompilable")
         model.compile(keras.optimizers.Adam(0.01), "mse", jit_compile=True)
         x, y = _data()
-        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0)
+        history = model.fit(
+            x, y, batch_size=BATCH, epochs=2, shuffle=True, verbose=0
+        )
         weights = [np.asarray(v) for v in model.weights]
         keras.distribution.set_distribution(None)
     finally:
@@ -179,7 +194,9 @@ def test_uncompilable_forward_falls_back_with_one_warning(pool2):
 
     results = pool2.run(fallback_train)
     keras.utils.set_random_seed(7)
-    reference = compiled_train(None, jit_compile=False)  # same weights, no Lambda
+    reference = compiled_train(
+        None, jit_compile=False
+    )  # same weights, no Lambda
     (w0, h0, records0), (w1, h1, _) = results
     warnings = [r for r in records0 if "jit_compile=True" in r]
     assert len(warnings) == 1, records0
@@ -208,7 +225,9 @@ def compiled_attention_train(sharded, jit_compile=True, causal=False):
     counters.clear()
     if sharded:
         devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            (len(devices),), ["model"], devices
+        )
         layout_map = keras.distribution.LayoutMap(mesh)
         for name in ("query", "key", "value"):
             layout_map[f"mha/{name}/kernel"] = (None, "model", None)
@@ -219,29 +238,41 @@ def compiled_attention_train(sharded, jit_compile=True, causal=False):
         )
     keras.utils.set_random_seed(7)
     inputs = keras.Input((SEQ, WIDTH))
-    attention = keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS, name="mha")(
-        inputs, inputs, use_causal_mask=causal
-    )
+    attention = keras.layers.MultiHeadAttention(
+        HEADS, WIDTH // HEADS, name="mha"
+    )(inputs, inputs, use_causal_mask=causal)
     hidden = keras.layers.LayerNormalization(name="norm")(inputs + attention)
     outputs = keras.layers.Dense(WIDTH, name="proj")(hidden)
     model = keras.Model(inputs, outputs)
     # SGD: the key bias's gradient is zero in exact arithmetic (softmax
     # ignores a per-query constant), rounding noise that Adam would amplify.
-    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", jit_compile=jit_compile)
+    model.compile(
+        keras.optimizers.SGD(0.05, momentum=0.9), "mse", jit_compile=jit_compile
+    )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ROWS, SEQ, WIDTH)).astype("float32")
     y = rng.normal(size=(ROWS, SEQ, WIDTH)).astype("float32")
     history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     query_kernel = model.get_layer("mha").query_dense.kernel.value
-    local_query_kernel = tuple(query_kernel.to_local().shape) if sharded else None
+    local_query_kernel = (
+        tuple(query_kernel.to_local().shape) if sharded else None
+    )
     weights = [np.asarray(v) for v in model.weights]
     keras.distribution.set_distribution(None)
-    return weights, history.history, predictions, local_query_kernel, _compile_counters()
+    return (
+        weights,
+        history.history,
+        predictions,
+        local_query_kernel,
+        _compile_counters(),
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_compiled_heads_sharded_attention_matches_eager_one_process(pool2, causal):
+def test_compiled_heads_sharded_attention_matches_eager_one_process(
+    pool2, causal
+):
     """Attention sharded on heads compiles into one graph per mode (no
     eager fallback, no graph break) and trains to one eager process's
     numbers. (Causal attention calls torch's fused CPU kernel, which had no
@@ -256,7 +287,13 @@ def test_compiled_heads_sharded_attention_matches_eager_one_process(pool2, causa
         assert report["graph_breaks"] == 0, report
         assert report["graphs"] == 2, report
         for w, r in zip(weights, ref_weights):
-            np.testing.assert_allclose(w, r, rtol=1e-4, atol=2e-5, err_msg=f"rank {rank}")
+            np.testing.assert_allclose(
+                w, r, rtol=1e-4, atol=2e-5, err_msg=f"rank {rank}"
+            )
         for key in ref_history:
-            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4)
-        np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-4, atol=2e-5)
+            np.testing.assert_allclose(
+                history[key], ref_history[key], rtol=1e-4
+            )
+        np.testing.assert_allclose(
+            predictions, ref_predictions, rtol=1e-4, atol=2e-5
+        )

@@ -33,11 +33,15 @@ def einsums(equation):
     ).backend_mesh
     shapes = EQUATIONS[equation]
     generator = torch.Generator().manual_seed(0)
-    plain = [torch.randn(s, generator=generator).requires_grad_() for s in shapes]
+    plain = [
+        torch.randn(s, generator=generator).requires_grad_() for s in shapes
+    ]
     want = keras.ops.einsum(equation, *plain)
     grad = torch.randn(want.shape, generator=generator)
     want_grads = torch.autograd.grad(want, plain, grad)
-    choices = [[None] + [d for d in range(len(s)) if s[d] % 2 == 0] for s in shapes]
+    choices = [
+        [None] + [d for d in range(len(s)) if s[d] % 2 == 0] for s in shapes
+    ]
     results = []
     for dims in itertools.product(*choices):
         sharded = [
@@ -48,13 +52,23 @@ def einsums(equation):
         ]
         got = keras.ops.einsum(equation, *sharded)
         full = got.full_tensor() if hasattr(got, "full_tensor") else got
-        grads = torch.autograd.grad(got, sharded, distribute_tensor(grad, mesh, [Replicate()])
-                                    if hasattr(got, "full_tensor") else grad)
-        results.append((
-            dims,
-            float((full - want).abs().max()),
-            max(float((g.full_tensor() - w).abs().max()) for g, w in zip(grads, want_grads)),
-        ))
+        grads = torch.autograd.grad(
+            got,
+            sharded,
+            distribute_tensor(grad, mesh, [Replicate()])
+            if hasattr(got, "full_tensor")
+            else grad,
+        )
+        results.append(
+            (
+                dims,
+                float((full - want).abs().max()),
+                max(
+                    float((g.full_tensor() - w).abs().max())
+                    for g, w in zip(grads, want_grads)
+                ),
+            )
+        )
     return results
 
 
@@ -73,7 +87,9 @@ def sharded_gradients(equation):
     ).backend_mesh
     shapes = EQUATIONS[equation]
     generator = torch.Generator().manual_seed(0)
-    plain = [torch.randn(s, generator=generator).requires_grad_() for s in shapes]
+    plain = [
+        torch.randn(s, generator=generator).requires_grad_() for s in shapes
+    ]
     want = keras.ops.einsum(equation, *plain)
     grad = torch.randn(want.shape, generator=generator)
     want_grads = torch.autograd.grad(want, plain, grad)
@@ -82,14 +98,22 @@ def sharded_gradients(equation):
         if want.shape[dim] % 2:
             continue
         replicated = [
-            distribute_tensor(p.detach(), mesh, [Replicate()]).requires_grad_() for p in plain
+            distribute_tensor(p.detach(), mesh, [Replicate()]).requires_grad_()
+            for p in plain
         ]
         got = keras.ops.einsum(equation, *replicated)
-        grads = torch.autograd.grad(got, replicated, distribute_tensor(grad, mesh, [Shard(dim)]))
-        results.append((
-            dim,
-            max(float((g.full_tensor() - w).abs().max()) for g, w in zip(grads, want_grads)),
-        ))
+        grads = torch.autograd.grad(
+            got, replicated, distribute_tensor(grad, mesh, [Shard(dim)])
+        )
+        results.append(
+            (
+                dim,
+                max(
+                    float((g.full_tensor() - w).abs().max())
+                    for g, w in zip(grads, want_grads)
+                ),
+            )
+        )
     return results
 
 
@@ -100,7 +124,12 @@ def test_einsum_of_sharded_operands_matches_plain(pool2):
                 [1 + sum(n % 2 == 0 for n in s) for s in shapes]
             ), equation
             for dims, forward, backward in results:
-                assert forward < 1e-5 and backward < 1e-5, (equation, dims, forward, backward)
+                assert forward < 1e-5 and backward < 1e-5, (
+                    equation,
+                    dims,
+                    forward,
+                    backward,
+                )
 
 
 def test_einsum_gradient_sharded_where_its_output_was_not_matches_plain(pool2):

@@ -19,8 +19,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from keras_torch_distribution.distributed import collective_counts  # noqa: E402
 from keras_torch_distribution import testing  # noqa: E402
+from keras_torch_distribution.distributed import collective_counts  # noqa: E402
 
 GLOBAL_BATCH, ROWS = 16, 64
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -43,7 +43,9 @@ def _model(metrics=None):
         ],
         name="mlp",
     )
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=metrics)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=metrics
+    )
     return model
 
 
@@ -59,7 +61,9 @@ def _train(distributed, policy="block", prefetch="1", metrics=None):
     """fit 2 epochs; then one more step on this rank's rows, its
     collectives counted. One process when not `distributed`."""
     x, y = _data()
-    with testing.environment({"KTD_FSDP_GROUP": policy, "KTD_FSDP_PREFETCH": prefetch}):
+    with testing.environment(
+        {"KTD_FSDP_GROUP": policy, "KTD_FSDP_PREFETCH": prefetch}
+    ):
         if distributed:
             devices = keras.distribution.list_devices()
             mesh = keras.distribution.DeviceMesh((2,), ["model"], devices)
@@ -80,7 +84,9 @@ def _train(distributed, policy="block", prefetch="1", metrics=None):
         )
         if distributed:
             rank = torch.distributed.get_rank()
-            rows = slice(rank * GLOBAL_BATCH // 2, (rank + 1) * GLOBAL_BATCH // 2)
+            rows = slice(
+                rank * GLOBAL_BATCH // 2, (rank + 1) * GLOBAL_BATCH // 2
+            )
             model.make_train_function()
             batch = [(torch.as_tensor(x[rows]), torch.as_tensor(y[rows]))]
             model.train_function(batch)  # records the order of the groups
@@ -106,7 +112,9 @@ def _assert_matches(result, reference):
     if reference["mae"] is not None:
         np.testing.assert_allclose(result["mae"], reference["mae"], **TOL)
     for path, value in reference["weights"].items():
-        np.testing.assert_allclose(result["weights"][path], value, err_msg=path, **TOL)
+        np.testing.assert_allclose(
+            result["weights"][path], value, err_msg=path, **TOL
+        )
 
 
 # Per step, with groups up (kernel and bias in one flat buffer) and down:
@@ -143,7 +151,9 @@ def test_metric_updated_after_the_optimizer_is_summed_on_its_own(pool2):
     reference = _one_process(["mae"])
     for result in results:
         _assert_matches(result, reference)
-        assert result["counts"] == dict(EXPECTED, all_reduce=2), result["counts"]
+        assert result["counts"] == dict(EXPECTED, all_reduce=2), result[
+            "counts"
+        ]
 
 
 def _tiny_llama(keras_hub, layers, **backbone_options):
@@ -151,8 +161,12 @@ def _tiny_llama(keras_hub, layers, **backbone_options):
     cross-entropy from logits."""
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=64, num_layers=layers, num_query_heads=2,
-        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32,
+        vocabulary_size=64,
+        num_layers=layers,
+        num_query_heads=2,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
         **backbone_options,
     )
     model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
@@ -178,8 +192,10 @@ def _count_one_step(layers):
     )
     model = _tiny_llama(keras_hub, layers)
     ids = np.random.default_rng(0).integers(1, 64, (4, 9))
-    x = {"token_ids": torch.as_tensor(ids[:, :-1]),
-         "padding_mask": torch.ones((4, 8), dtype=torch.bool)}
+    x = {
+        "token_ids": torch.as_tensor(ids[:, :-1]),
+        "padding_mask": torch.ones((4, 8), dtype=torch.bool),
+    }
     y = torch.as_tensor(ids[:, 1:])
     model.make_train_function()
     model.train_function([(x, y)])  # builds Adam; records the group order
@@ -219,11 +235,15 @@ def _llama_output_projection_sharded(distributed, layers=2):
     keras_hub = pytest.importorskip("keras_hub")
     if distributed:
         devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh((2, 1), ["batch", "model"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            (2, 1), ["batch", "model"], devices
+        )
         layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
         layout_map["token_embedding/reverse_embeddings"] = ("batch", "model")
         keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+            keras.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch"
+            )
         )
     model = _tiny_llama(keras_hub, layers, tie_word_embeddings=False)
     ids = np.random.default_rng(0).integers(1, 64, (8, 9))
@@ -238,8 +258,12 @@ def _llama_output_projection_sharded(distributed, layers=2):
     if distributed:
         rank = torch.distributed.get_rank()
         rows = slice(rank * 2, rank * 2 + 2)
-    batch = [({k: torch.as_tensor(v[rows]) for k, v in x.items()},
-              torch.as_tensor(y[rows]))]
+    batch = [
+        (
+            {k: torch.as_tensor(v[rows]) for k, v in x.items()},
+            torch.as_tensor(y[rows]),
+        )
+    ]
     model.make_train_function()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -279,11 +303,15 @@ def test_a_layer_gathering_twice_per_forward_is_split(pool2):
     layers = 2
     keras.backend.clear_session()
     reference = _llama_output_projection_sharded(False, layers)
-    results = pool2.run(_llama_output_projection_sharded, True, layers, timeout=600)
+    results = pool2.run(
+        _llama_output_projection_sharded, True, layers, timeout=600
+    )
     for result in results:
         np.testing.assert_allclose(result["loss"], reference["loss"], **TOL)
         for path, value in reference["weights"].items():
-            np.testing.assert_allclose(result["weights"][path], value, err_msg=path, **TOL)
+            np.testing.assert_allclose(
+                result["weights"][path], value, err_msg=path, **TOL
+            )
         assert result["counts"] == {
             "all_gather": (1 + layers + 1) + (1 + layers),
             "reduce_scatter": layers + 2,

@@ -17,8 +17,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from keras_torch_distribution.distributed import collective_counts  # noqa: E402
 from keras_torch_distribution import testing  # noqa: E402
+from keras_torch_distribution.distributed import collective_counts  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +50,23 @@ class _Collectives(collective_counts._Counter):
             name = func._overloadpacket._qualified_op_name.split("::")[-1]
             kind = collective_counts._KIND_OF.get(name)
             if kind in ("all_gather", "reduce_scatter"):
-                leaves = [t for t in torch.utils._pytree.tree_leaves(args)
-                          if isinstance(t, torch.Tensor)]
+                leaves = [
+                    t
+                    for t in torch.utils._pytree.tree_leaves(args)
+                    if isinstance(t, torch.Tensor)
+                ]
                 # The input: the last tensor argument of c10d's ops (output
                 # first), the first of the functional ones (no output).
                 carried = leaves[-1] if func.namespace == "c10d" else leaves[0]
                 if isinstance(carried, list):
                     carried = carried[0]
                 self.carried.append(
-                    (kind, str(carried.dtype), carried.numel() * carried.element_size()))
+                    (
+                        kind,
+                        str(carried.dtype),
+                        carried.numel() * carried.element_size(),
+                    )
+                )
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -73,7 +81,11 @@ def _model(jit_compile=False):
         ],
         name="mlp",
     )
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        jit_compile=jit_compile,
+    )
     return model
 
 
@@ -91,8 +103,8 @@ def _train(distributed, path="groups"):
     "variables" (no group: the per-variable gathers) or "compiled"
     (jit_compile=True: the per-variable gathers, traced by torch.compile;
     its collectives are not recorded)."""
-    from keras_torch_distribution.training import compiled
     from keras_torch_distribution.fsdp import groups
+    from keras_torch_distribution.training import compiled
 
     x, y = _data()
     saved_policy = keras.config.dtype_policy()
@@ -109,20 +121,34 @@ def _train(distributed, path="groups"):
                 for pattern, axes in RULES.items():
                     layout_map[pattern] = axes
                 keras.distribution.set_distribution(
-                    keras.distribution.ModelParallel(layout_map=layout_map))
+                    keras.distribution.ModelParallel(layout_map=layout_map)
+                )
             model = _model(jit_compile=path == "compiled")
-            history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False,
-                                verbose=0)
-            result = dict(loss=history.history["loss"],
-                          weights={v.path: np.asarray(v) for v in model.weights},
-                          dtypes={v.path: str(v.dtype) for v in model.weights})
+            history = model.fit(
+                x,
+                y,
+                batch_size=GLOBAL_BATCH,
+                epochs=2,
+                shuffle=False,
+                verbose=0,
+            )
+            result = dict(
+                loss=history.history["loss"],
+                weights={v.path: np.asarray(v) for v in model.weights},
+                dtypes={v.path: str(v.dtype) for v in model.weights},
+            )
             if path == "compiled":
                 forwards = compiled.compiled_forwards._by_model
-                result["fallback"] = (repr(forwards[model].error) if model in forwards
-                                      else "the forward was never compiled")
+                result["fallback"] = (
+                    repr(forwards[model].error)
+                    if model in forwards
+                    else "the forward was never compiled"
+                )
             elif distributed:
                 rank = torch.distributed.get_rank()
-                rows = slice(rank * GLOBAL_BATCH // 2, (rank + 1) * GLOBAL_BATCH // 2)
+                rows = slice(
+                    rank * GLOBAL_BATCH // 2, (rank + 1) * GLOBAL_BATCH // 2
+                )
                 batch = [(torch.as_tensor(x[rows]), torch.as_tensor(y[rows]))]
                 with _Collectives() as recorded:
                     model.train_function(batch)
@@ -148,23 +174,33 @@ def test_gathers_in_bfloat16_and_reduces_in_float32(pool2, path):
     reference = _one_process()
     results = pool2.run(_train, True, path)
     for result in results:
-        assert set(result["dtypes"].values()) == {"float32"}  # stored in float32
+        assert set(result["dtypes"].values()) == {
+            "float32"
+        }  # stored in float32
         np.testing.assert_allclose(result["loss"], reference["loss"], **TOL)
         for name, value in reference["weights"].items():
-            np.testing.assert_allclose(result["weights"][name], value, err_msg=name, **TOL)
+            np.testing.assert_allclose(
+                result["weights"][name], value, err_msg=name, **TOL
+            )
         kinds = {(kind, dtype) for kind, dtype, _ in result["carried"]}
-        assert kinds == {("all_gather", "torch.bfloat16"), ("reduce_scatter", "torch.float32")}, (
-            result["carried"])
+        assert kinds == {
+            ("all_gather", "torch.bfloat16"),
+            ("reduce_scatter", "torch.float32"),
+        }, result["carried"]
     if path == "groups":
         # One flat gather per group, each rank's shards in bfloat16 (up: its
         # 8 x 4 kernel block and 4 of the bias, padded; down: 4 x 6): half
         # the bytes of float32. One flat reduce-scatter per group in float32
         # (each rank's piece of the padded gradients).
         shard_elements = 8 * 4 + 4 + 4 * 6
-        assert [n for kind, _, n in results[0]["carried"] if kind == "all_gather"] == [
-            2 * (8 * 4 + 4), 2 * 4 * 6]
-        assert sum(n for kind, _, n in results[0]["carried"] if kind == "reduce_scatter") == (
-            4 * shard_elements)
+        assert [
+            n for kind, _, n in results[0]["carried"] if kind == "all_gather"
+        ] == [2 * (8 * 4 + 4), 2 * 4 * 6]
+        assert sum(
+            n
+            for kind, _, n in results[0]["carried"]
+            if kind == "reduce_scatter"
+        ) == (4 * shard_elements)
 
 
 def test_compiled_forward_gives_one_process_numbers(pool2):
@@ -176,4 +212,6 @@ def test_compiled_forward_gives_one_process_numbers(pool2):
         assert result["fallback"] == "None"
         np.testing.assert_allclose(result["loss"], reference["loss"], **TOL)
         for name, value in reference["weights"].items():
-            np.testing.assert_allclose(result["weights"][name], value, err_msg=name, **TOL)
+            np.testing.assert_allclose(
+                result["weights"][name], value, err_msg=name, **TOL
+            )

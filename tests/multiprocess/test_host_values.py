@@ -14,8 +14,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 # Uneven on purpose: 7 columns and 7 rows over 2 ranks are blocks of 4 and 3.
-RULES = {r".*dense.*kernel": (None, "model"), r".*dense.*bias": ("model",),
-         r".*out.*kernel": ("model", None)}
+RULES = {
+    r".*dense.*kernel": (None, "model"),
+    r".*dense.*bias": ("model",),
+    r".*out.*kernel": ("model", None),
+}
 
 
 def _values():
@@ -35,20 +38,29 @@ def _set_get_and_save(path):
     from helpers import model_parallel
 
     keras.distribution.set_distribution(
-        model_parallel(keras.distribution.list_devices(), RULES))
-    model = keras.Sequential([
-        keras.Input((5,)),
-        keras.layers.Dense(7, name="dense"),
-        keras.layers.Dense(3, name="out", dtype="bfloat16"),
-    ])
+        model_parallel(keras.distribution.list_devices(), RULES)
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(7, name="dense"),
+            keras.layers.Dense(3, name="out", dtype="bfloat16"),
+        ]
+    )
     sharded = [isinstance(v.value, DTensor) for v in model.weights]
     model.set_weights(_values())
-    local_shapes = [tuple(v.value.to_local().shape) if isinstance(v.value, DTensor) else None
-                    for v in model.weights]
+    local_shapes = [
+        tuple(v.value.to_local().shape)
+        if isinstance(v.value, DTensor)
+        else None
+        for v in model.weights
+    ]
     redistribute = DTensor.redistribute
 
     def refused(*args, **kwargs):
-        raise AssertionError("a sharded variable was gathered whole on the device")
+        raise AssertionError(
+            "a sharded variable was gathered whole on the device"
+        )
 
     DTensor.redistribute = refused
     try:
@@ -75,7 +87,8 @@ def test_whole_values_are_assembled_on_the_host(pool2, tmp_path):
     for rank, result in enumerate(results):
         assert result["sharded"] == [True, True, True, False]
         assert result["local_shapes"][:3] == (
-            [(5, 4), (4,), (4, 3)] if rank == 0 else [(5, 3), (3,), (3, 3)])
+            [(5, 4), (4,), (4, 3)] if rank == 0 else [(5, 3), (3,), (3, 3)]
+        )
         for got, want in zip(result["weights"], expected):
             np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(result["array"], expected[0])

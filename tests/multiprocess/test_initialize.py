@@ -16,12 +16,11 @@ import os
 import numpy as np
 import pytest
 
-from keras_torch_distribution.testing import ProcessGroupPool
-from keras_torch_distribution.testing import environment
-
 from helpers import assert_error
 from helpers import error_of
 from helpers import free_port
+from keras_torch_distribution.testing import ProcessGroupPool
+from keras_torch_distribution.testing import environment
 
 pytestmark = pytest.mark.slow
 
@@ -104,12 +103,16 @@ def _initialize_explicit(job_addresses, world, rank_by_pid=None):
             process_id=1 - rank,
         )
         weights = _unseeded_model_weights()
-        summed = keras.distribution.distribute_tensor(
-            np.full((2,), rank + 1.0, "float32"),
-            keras.distribution.TensorLayout(
-                ("batch",), keras.distribution.DeviceMesh((2,), ["batch"])
-            ),
-        ).full_tensor().numpy()
+        summed = (
+            keras.distribution.distribute_tensor(
+                np.full((2,), rank + 1.0, "float32"),
+                keras.distribution.TensorLayout(
+                    ("batch",), keras.distribution.DeviceMesh((2,), ["batch"])
+                ),
+            )
+            .full_tensor()
+            .numpy()
+        )
         return {
             "before": before,
             "first": first,
@@ -125,7 +128,13 @@ def _initialize_explicit(job_addresses, world, rank_by_pid=None):
         _destroy()
 
 
-_TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 _KERAS_KEYS = (
     "KERAS_DISTRIBUTION_JOB_ADDRESSES",
     "KERAS_DISTRIBUTION_NUM_PROCESSES",
@@ -203,7 +212,9 @@ def _reinitialize(first_url, second_url, rank_by_pid):
             meshes.append(mesh.backend_mesh)
             layout = keras.distribution.TensorLayout(("batch", None), mesh)
             gathered.append(
-                keras.distribution.distribute_tensor(value, layout).full_tensor().numpy()
+                keras.distribution.distribute_tensor(value, layout)
+                .full_tensor()
+                .numpy()
             )
             dist.destroy_process_group()  # the mesh cache is left as it is
         return meshes[0] is not meshes[1], gathered
@@ -305,7 +316,9 @@ def test_initialize_with_file_url(fresh_pool2, tmp_path):
 
 def test_initialize_with_host_port(fresh_pool2):
     ranks = _ranks(fresh_pool2)
-    results = fresh_pool2.run(_initialize_explicit, f"127.0.0.1:{free_port()}", 2, ranks)
+    results = fresh_pool2.run(
+        _initialize_explicit, f"127.0.0.1:{free_port()}", 2, ranks
+    )
     _check_initialized(results)
 
 
@@ -319,7 +332,9 @@ def test_initialize_with_one_address_per_process(fresh_pool2):
 def test_initialize_from_torchrun_env(fresh_pool2):
     ranks = _ranks(fresh_pool2)
     environments = fresh_pool2.run(_leftover_env)
-    results = fresh_pool2.run(_initialize_from_torchrun_env, free_port(), 2, ranks)
+    results = fresh_pool2.run(
+        _initialize_from_torchrun_env, free_port(), 2, ranks
+    )
     for rank, result in enumerate(results):
         assert (result["rank"], result["world"]) == (rank, 2)
         assert result["devices"] == ["cpu:0", "cpu:1"]
@@ -368,7 +383,9 @@ def test_initialize_from_keras_env(fresh_pool2):
 
 def test_torchrun_env_mismatch_is_refused(fresh_pool2):
     ranks = _ranks(fresh_pool2)
-    for found, devices, initialized in fresh_pool2.run(_torchrun_env_mismatch, 2, ranks):
+    for found, devices, initialized in fresh_pool2.run(
+        _torchrun_env_mismatch, 2, ranks
+    ):
         assert_error(
             found,
             "ValueError",

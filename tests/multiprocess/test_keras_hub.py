@@ -23,7 +23,15 @@ pytest.importorskip(
 
 # Families whose backbone ships get_layout_map (keras_hub 0.32). Gemma's
 # config puts 1 key/value head on a model axis of 2.
-MODEL_PARALLEL = ["gemma", "gemma2", "llama", "llama3", "qwen", "qwen_moe", "qwen3_moe"]
+MODEL_PARALLEL = [
+    "gemma",
+    "gemma2",
+    "llama",
+    "llama3",
+    "qwen",
+    "qwen_moe",
+    "qwen3_moe",
+]
 DATA_PARALLEL = ["mistral", "phi3", "gpt2", "gemma3"]
 # Float noise: Adam turns reduction-order differences of ~1e-7 into ~2e-5.
 RTOL = ATOL = 1e-4
@@ -41,7 +49,9 @@ SEQ = 8  # tokens per row; the model sees SEQ - 1 of them
 ROWS = 4
 PROMPT = 4  # prompt tokens of each generated row
 
-_ATTENTION = dict(num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+_ATTENTION = dict(
+    num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32
+)
 
 # family: (backbone, task, config). Dropout is 0: one process and N
 # processes draw different dropout masks.
@@ -91,14 +101,26 @@ FAMILIES = {
     "qwen3_moe": (
         "Qwen3MoeBackbone",
         "Qwen3MoeCausalLM",
-        dict(_ATTENTION, head_dim=4, moe_intermediate_dim=8, num_experts=4, top_k=2),
+        dict(
+            _ATTENTION,
+            head_dim=4,
+            moe_intermediate_dim=8,
+            num_experts=4,
+            top_k=2,
+        ),
     ),
     "mistral": ("MistralBackbone", "MistralCausalLM", _ATTENTION),
     "phi3": ("Phi3Backbone", "Phi3CausalLM", _ATTENTION),
     "gpt2": (
         "GPT2Backbone",
         "GPT2CausalLM",
-        dict(num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=16, dropout=0.0),
+        dict(
+            num_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+            max_sequence_length=16,
+            dropout=0.0,
+        ),
     ),
 }
 
@@ -119,7 +141,9 @@ def build(family, seed=1):
     backbone = getattr(keras_hub.models, backbone_name)(
         vocabulary_size=VOCAB, num_layers=2, **config
     )
-    return getattr(keras_hub.models, task_name)(backbone=backbone, preprocessor=None)
+    return getattr(keras_hub.models, task_name)(
+        backbone=backbone, preprocessor=None
+    )
 
 
 def data(rows=ROWS):
@@ -152,7 +176,9 @@ def set_distribution(family, kind):
     if kind == "data":
         distribution = keras.distribution.DataParallel(devices=devices)
     else:
-        mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            (1, len(devices)), ["batch", "model"], devices
+        )
         layout_map = backbone_class(family).get_layout_map(mesh)
         distribution = keras.distribution.ModelParallel(
             layout_map=layout_map, batch_dim_name="batch"
@@ -160,7 +186,12 @@ def set_distribution(family, kind):
     keras.distribution.set_distribution(distribution)
 
 
-def run(family, kind, directory=None, steps=("fit", "evaluate", "predict", "generate")):
+def run(
+    family,
+    kind,
+    directory=None,
+    steps=("fit", "evaluate", "predict", "generate"),
+):
     """Everything a test compares, as numpy: losses, metrics, predictions,
     generated tokens, weights after training; and, with `directory`, the
     LoRA round trip (save_lora_weights, then load_lora_weights into a fresh
@@ -178,13 +209,19 @@ def run(family, kind, directory=None, steps=("fit", "evaluate", "predict", "gene
         sampler="greedy",
     )
     if "fit" in steps:
-        history = model.fit(x, y, batch_size=ROWS, epochs=2, shuffle=False, verbose=0)
+        history = model.fit(
+            x, y, batch_size=ROWS, epochs=2, shuffle=False, verbose=0
+        )
         out["fit"] = history.history["loss"]
-        out["weights"] = {v.path: np.asarray(v) for v in model.trainable_weights}
+        out["weights"] = {
+            v.path: np.asarray(v) for v in model.trainable_weights
+        }
     if "evaluate" in steps:
         out["evaluate"] = model.evaluate(x, y, batch_size=ROWS, verbose=0)
     if "predict" in steps:
-        out["predict"] = np.asarray(model.predict(x, batch_size=ROWS, verbose=0))
+        out["predict"] = np.asarray(
+            model.predict(x, batch_size=ROWS, verbose=0)
+        )
     if "generate" in steps:
         generated = model.generate(prompt, stop_token_ids=None)
         out["generate"] = np.asarray(generated["token_ids"])
@@ -257,15 +294,25 @@ def _check(results, reference, family):
         for key in ("fit", "evaluate", "predict"):
             if key in reference:
                 np.testing.assert_allclose(
-                    got[key], reference[key], rtol=RTOL, atol=ATOL, err_msg=f"{where} {key}"
+                    got[key],
+                    reference[key],
+                    rtol=RTOL,
+                    atol=ATOL,
+                    err_msg=f"{where} {key}",
                 )
         for path, value in reference.get("weights", {}).items():
             np.testing.assert_allclose(
-                got["weights"][path], value, rtol=RTOL, atol=ATOL, err_msg=f"{where} {path}"
+                got["weights"][path],
+                value,
+                rtol=RTOL,
+                atol=ATOL,
+                err_msg=f"{where} {path}",
             )
         if "generate" in reference:
             np.testing.assert_array_equal(
-                got["generate"], reference["generate"], err_msg=f"{where} generate"
+                got["generate"],
+                reference["generate"],
+                err_msg=f"{where} generate",
             )
         # DTensor's warning for a (1,)-shaped plain tensor meeting a DTensor.
         # keras_hub's MoE load-balancing loss divides its expert-sharded
@@ -273,7 +320,10 @@ def _check(results, reference, family):
         # also matches the router) by a (1,)-shaped token count: that one
         # is keras_hub's, the package makes no such tensors.
         if family not in ("qwen_moe", "qwen3_moe"):
-            assert not [w for w in got["warnings"] if "numel=1" in w], (where, got["warnings"])
+            assert not [w for w in got["warnings"] if "numel=1" in w], (
+                where,
+                got["warnings"],
+            )
 
 
 @pytest.mark.slow
@@ -290,27 +340,37 @@ def test_data_parallel_matches_one_process(pool2, family):
     # (keras_hub 0.32 concatenates its None image outputs).
     steps = ("fit", "evaluate", "predict") if family == "gemma3" else None
     reference = _reference(family, steps=steps)
-    results = pool2.run(run_recording_warnings, family, "data", steps=steps, timeout=600)
+    results = pool2.run(
+        run_recording_warnings, family, "data", steps=steps, timeout=600
+    )
     _check(results, reference, family)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, kind", [("llama", "model"), ("gpt2", "data")])
-def test_lora_weights_saved_on_two_processes_load_back(pool2, tmp_path, family, kind):
+def test_lora_weights_saved_on_two_processes_load_back(
+    pool2, tmp_path, family, kind
+):
     """save_lora_weights writes through Keras' H5 store on every rank: rank 0
     writes the file, and every rank can load it as soon as it returns."""
     (tmp_path / "one").mkdir()
     reference = _reference(family, str(tmp_path / "one"), steps=())
     shared = tmp_path / "two"
     shared.mkdir()
-    results = pool2.run(run_recording_warnings, family, kind, str(shared), steps=(), timeout=600)
+    results = pool2.run(
+        run_recording_warnings, family, kind, str(shared), steps=(), timeout=600
+    )
     assert sorted(p.name for p in shared.iterdir()) == [f"{family}.lora.h5"]
     want_tuned, want_reloaded = reference["lora"]
     np.testing.assert_allclose(want_reloaded, want_tuned, rtol=1e-6, atol=1e-6)
     for rank, got in enumerate(results):
         tuned, reloaded = got["lora"]
-        np.testing.assert_allclose(tuned, want_tuned, rtol=RTOL, atol=ATOL, err_msg=f"rank {rank}")
-        np.testing.assert_allclose(reloaded, tuned, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(
+            tuned, want_tuned, rtol=RTOL, atol=ATOL, err_msg=f"rank {rank}"
+        )
+        np.testing.assert_allclose(
+            reloaded, tuned, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank}"
+        )
     # The file rank 0 wrote loads in one process.
     import keras
 
@@ -321,5 +381,7 @@ def test_lora_weights_saved_on_two_processes_load_back(pool2, tmp_path, family, 
     x, _, _ = data()
     np.testing.assert_allclose(
         np.asarray(model.predict(x, batch_size=ROWS, verbose=0)),
-        want_tuned, rtol=RTOL, atol=ATOL,
+        want_tuned,
+        rtol=RTOL,
+        atol=ATOL,
     )

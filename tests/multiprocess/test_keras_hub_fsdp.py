@@ -37,7 +37,9 @@ def _causal_lm(family):
         intermediate_dim=32,
         **extra,
     )
-    model = getattr(keras_hub.models, task_name)(backbone=backbone, preprocessor=None)
+    model = getattr(keras_hub.models, task_name)(
+        backbone=backbone, preprocessor=None
+    )
     model.compile(
         optimizer=keras.optimizers.Adam(1e-2),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -55,16 +57,21 @@ def _data():
 def _train(family, mesh_shape=None):
     if mesh_shape is not None:
         devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            mesh_shape, ["batch", "model"], devices
+        )
         backbone_class = getattr(keras_hub.models, FAMILIES[family][0])
         keras.distribution.set_distribution(
             keras.distribution.ModelParallel(
-                layout_map=backbone_class.get_layout_map(mesh), batch_dim_name="batch"
+                layout_map=backbone_class.get_layout_map(mesh),
+                batch_dim_name="batch",
             )
         )
     model = _causal_lm(family)
     x, y = _data()
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(
+        x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0
+    )
     evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
     logits = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
     batch_sharded = {}
@@ -73,7 +80,10 @@ def _train(family, mesh_shape=None):
         if hasattr(value, "placements") and any(
             getattr(p, "dim", None) is not None for p in value.placements[:1]
         ):
-            batch_sharded[v.path] = (tuple(v.shape), tuple(value.to_local().shape))
+            batch_sharded[v.path] = (
+                tuple(v.shape),
+                tuple(value.to_local().shape),
+            )
     return dict(
         loss=history.history["loss"],
         evaluation=evaluation,
@@ -96,10 +106,14 @@ def _reference(family):
 def _check(results, reference):
     for result in results:
         np.testing.assert_allclose(result["loss"], reference["loss"], **TOL)
-        np.testing.assert_allclose(result["evaluation"], reference["evaluation"], **TOL)
+        np.testing.assert_allclose(
+            result["evaluation"], reference["evaluation"], **TOL
+        )
         np.testing.assert_allclose(result["logits"], reference["logits"], **TOL)
         for path, value in reference["weights"].items():
-            np.testing.assert_allclose(result["weights"][path], value, err_msg=path, **TOL)
+            np.testing.assert_allclose(
+                result["weights"][path], value, err_msg=path, **TOL
+            )
         # The map shards weights on the batch axis: FSDP, stored in part.
         assert result["batch_sharded"], "no weight is sharded on the batch axis"
         for path, (whole, local) in result["batch_sharded"].items():

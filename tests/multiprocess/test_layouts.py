@@ -36,23 +36,33 @@ def _layout_cases(mesh_shape, axis_names, cases, devices=None):
     from keras_torch_distribution.distributed import layouts
 
     mesh = keras.distribution.DeviceMesh(
-        mesh_shape, list(axis_names), devices or keras.distribution.list_devices()
+        mesh_shape,
+        list(axis_names),
+        devices or keras.distribution.list_devices(),
     )
     results = []
     for shape, axes in cases:
-        full = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+        full = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(
+            shape
+        )
         if any(isinstance(a, (tuple, list)) for a in axes):
             # Keras' TensorLayout refuses tuples of axes; go through ours.
             torch_layout = layouts.TorchLayout(
-                mesh.backend_mesh, layouts.placements_for(axes, axis_names), axes
+                mesh.backend_mesh,
+                layouts.placements_for(axes, axis_names),
+                axes,
             )
             ours = distribution_lib.distribute_tensor(full, torch_layout)
         else:
             layout = keras.distribution.TensorLayout(axes, mesh)
             torch_layout = layout.backend_layout
             ours = keras.distribution.distribute_tensor(full, layout)
-        reference = distribute_tensor(full, mesh.backend_mesh, torch_layout.placements)
-        box = layouts.local_box(shape, mesh.backend_mesh, torch_layout.placements)
+        reference = distribute_tensor(
+            full, mesh.backend_mesh, torch_layout.placements
+        )
+        box = layouts.local_box(
+            shape, mesh.backend_mesh, torch_layout.placements
+        )
         results.append(
             {
                 "shape": shape,
@@ -61,8 +71,11 @@ def _layout_cases(mesh_shape, axis_names, cases, devices=None):
                 "box_shape": tuple(hi - lo for lo, hi in box),
                 "local_shape": tuple(ours.to_local().shape),
                 "reference_shape": tuple(reference.to_local().shape),
-                "same_local": bool(torch.equal(ours.to_local(), reference.to_local())),
-                "same_placements": tuple(ours.placements) == tuple(reference.placements),
+                "same_local": bool(
+                    torch.equal(ours.to_local(), reference.to_local())
+                ),
+                "same_placements": tuple(ours.placements)
+                == tuple(reference.placements),
                 "global_shape": tuple(ours.shape),
                 "round_trip": bool(torch.equal(ours.full_tensor(), full)),
                 "same_mesh": ours.device_mesh is mesh.backend_mesh,
@@ -99,7 +112,10 @@ def _round_trips():
     )
     torch_input = torch.from_numpy(full.copy())
     from_torch = keras.distribution.distribute_tensor(torch_input, cols)
-    out["torch_cols"] = (from_torch.to_local().numpy(), from_torch.full_tensor().numpy())
+    out["torch_cols"] = (
+        from_torch.to_local().numpy(),
+        from_torch.full_tensor().numpy(),
+    )
     keras_input = keras.ops.convert_to_tensor(full)
     from_keras = keras.distribution.distribute_tensor(keras_input, rows)
     out["keras_rows"] = from_keras.full_tensor().numpy()
@@ -130,7 +146,10 @@ def _round_trips():
 
     # A Partial DTensor is reduced.
     partial = DTensor.from_local(
-        torch.full((4, 2), float(rank + 1)), mesh.backend_mesh, [Partial()], run_check=False
+        torch.full((4, 2), float(rank + 1)),
+        mesh.backend_mesh,
+        [Partial()],
+        run_check=False,
     )
     reduced = keras.distribution.distribute_tensor(partial, whole)
     partial2 = DTensor.from_local(
@@ -192,28 +211,47 @@ def _error_cases():
         keras.distribution.TensorLayout(("batch", None, None), mesh),
     )
     errors["too_few_devices"] = error_of(
-        lambda: keras.distribution.DeviceMesh((1,), ["batch"], devices[:1]).backend_mesh
+        lambda: (
+            keras.distribution.DeviceMesh(
+                (1,), ["batch"], devices[:1]
+            ).backend_mesh
+        )
     )
     errors["too_many_devices"] = error_of(
-        lambda: keras.distribution.DeviceMesh(
-            (2, 2), ["batch", "model"], ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
-        ).backend_mesh
+        lambda: (
+            keras.distribution.DeviceMesh(
+                (2, 2), ["batch", "model"], ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+            ).backend_mesh
+        )
     )
     errors["too_few_in_layout"] = error_of(
         keras.distribution.distribute_tensor,
         np.zeros((4, 2), "float32"),
         keras.distribution.TensorLayout(
-            ("batch", None), keras.distribution.DeviceMesh((1,), ["batch"], devices[:1])
+            ("batch", None),
+            keras.distribution.DeviceMesh((1,), ["batch"], devices[:1]),
         ),
     )
     errors["repeated_device"] = error_of(
-        lambda: keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:0"]).backend_mesh
+        lambda: (
+            keras.distribution.DeviceMesh(
+                (2,), ["batch"], ["cpu:0", "cpu:0"]
+            ).backend_mesh
+        )
     )
     errors["foreign_device"] = error_of(
-        lambda: keras.distribution.DeviceMesh((2,), ["batch"], ["tpu:0", "tpu:1"]).backend_mesh
+        lambda: (
+            keras.distribution.DeviceMesh(
+                (2,), ["batch"], ["tpu:0", "tpu:1"]
+            ).backend_mesh
+        )
     )
     errors["repeated_axis_name"] = error_of(
-        lambda: keras.distribution.DeviceMesh((1, 2), ["x", "x"], devices).backend_mesh
+        lambda: (
+            keras.distribution.DeviceMesh(
+                (1, 2), ["x", "x"], devices
+            ).backend_mesh
+        )
     )
     errors["unknown_axis_keras"] = error_of(
         keras.distribution.TensorLayout, ("model", None), mesh
@@ -222,7 +260,9 @@ def _error_cases():
         layouts.placements_for, ("model", None), list(mesh.axis_names)
     )
     errors["unknown_axis_layout_map"] = error_of(
-        keras.distribution.LayoutMap(mesh).__setitem__, "kernel", (None, "model")
+        keras.distribution.LayoutMap(mesh).__setitem__,
+        "kernel",
+        (None, "model"),
     )
     errors["no_mesh"] = error_of(
         keras.distribution.distribute_tensor,
@@ -230,12 +270,21 @@ def _error_cases():
         keras.distribution.TensorLayout(("batch", None)),
     )
     errors["gpu_mesh"] = error_of(
-        lambda: keras.distribution.DeviceMesh((2,), ["batch"], ["gpu:0", "gpu:1"]).backend_mesh
+        lambda: (
+            keras.distribution.DeviceMesh(
+                (2,), ["batch"], ["gpu:0", "gpu:1"]
+            ).backend_mesh
+        )
     )
     # The pool still works after the errors: every rank stayed in step.
-    after = keras.distribution.distribute_tensor(
-        np.arange(4, dtype="float32"), keras.distribution.TensorLayout(("batch",), mesh)
-    ).full_tensor().numpy()
+    after = (
+        keras.distribution.distribute_tensor(
+            np.arange(4, dtype="float32"),
+            keras.distribution.TensorLayout(("batch",), mesh),
+        )
+        .full_tensor()
+        .numpy()
+    )
     return errors, after
 
 
@@ -316,10 +365,14 @@ def test_layouts_on_2x2_mesh(pool4, devices):
         for axes, placements in AXES_2X2:
             cases.append((shape, axes))
             expected.append(placements)
-    results = pool4.run(_layout_cases, (2, 2), ("batch", "model"), cases, devices)
+    results = pool4.run(
+        _layout_cases, (2, 2), ("batch", "model"), cases, devices
+    )
     _check_layout_results(results, expected)
     # 5 rows over the 4 ranks, nested batch-major: 2, 1, 1, 1 (torch's rule).
-    index = AXES_2X2.index(((("batch", "model"), None), [S0, S0])) + len(AXES_2X2)
+    index = AXES_2X2.index(((("batch", "model"), None), [S0, S0])) + len(
+        AXES_2X2
+    )
     shapes = [r[index]["local_shape"] for r in results]
     if devices is None:
         assert shapes == [(2, 3), (1, 3), (1, 3), (1, 3)]
@@ -333,35 +386,55 @@ def test_distribute_tensor_round_trips(pool2):
     for rank, out in enumerate(results):
         is_dtensor, sharded_rows, local, gathered = out["numpy_rows"]
         assert is_dtensor and sharded_rows
-        np.testing.assert_array_equal(local, full[:3] if rank == 0 else full[3:])
+        np.testing.assert_array_equal(
+            local, full[:3] if rank == 0 else full[3:]
+        )
         np.testing.assert_array_equal(gathered, full)
 
         local, gathered = out["torch_cols"]
-        np.testing.assert_array_equal(local, full[:, :2] if rank == 0 else full[:, 2:])
+        np.testing.assert_array_equal(
+            local, full[:, :2] if rank == 0 else full[:, 2:]
+        )
         np.testing.assert_array_equal(gathered, full)
         np.testing.assert_array_equal(out["keras_rows"], full)
 
-        is_cols, local, gathered, is_replicated, replicated, unchanged = out["relayout"]
+        is_cols, local, gathered, is_replicated, replicated, unchanged = out[
+            "relayout"
+        ]
         assert is_cols and is_replicated and unchanged
-        np.testing.assert_array_equal(local, full[:, :2] if rank == 0 else full[:, 2:])
+        np.testing.assert_array_equal(
+            local, full[:, :2] if rank == 0 else full[:, 2:]
+        )
         np.testing.assert_array_equal(gathered, full)
         np.testing.assert_array_equal(replicated, full)
 
         on_grid_mesh, placements, local, gathered = out["other_mesh"]
         assert on_grid_mesh
         assert placements == ["Replicate()", "Shard(dim=0)"]
-        np.testing.assert_array_equal(local, full[:3] if rank == 0 else full[3:])
+        np.testing.assert_array_equal(
+            local, full[:3] if rank == 0 else full[3:]
+        )
         np.testing.assert_array_equal(gathered, full)
 
-        reduced_placements, reduced, scattered_placements, scattered, gathered = out["partial"]
+        (
+            reduced_placements,
+            reduced,
+            scattered_placements,
+            scattered,
+            gathered,
+        ) = out["partial"]
         assert reduced_placements == ["Replicate()"]
         np.testing.assert_array_equal(reduced, np.full((4, 2), 3.0, "float32"))
         assert scattered_placements == ["Shard(dim=0)"]
         total = np.arange(8, dtype="float32").reshape(4, 2) * 3
-        np.testing.assert_array_equal(scattered, total[:2] if rank == 0 else total[2:])
+        np.testing.assert_array_equal(
+            scattered, total[:2] if rank == 0 else total[2:]
+        )
         np.testing.assert_array_equal(gathered, total)
 
-        dtype, local, gathered, one_local, one_full, empty_local, empty_full = out["small"]
+        dtype, local, gathered, one_local, one_full, empty_local, empty_full = (
+            out["small"]
+        )
         assert dtype == "torch.int64"
         np.testing.assert_array_equal(local, [0, 1] if rank == 0 else [2])
         np.testing.assert_array_equal(gathered, np.arange(3))
@@ -396,7 +469,9 @@ def test_error_cases(pool2):
             r"DeviceMesh shape=\(2, 2\) has 4 devices, but 2 processes run",
         )
         assert_error(
-            errors["too_few_in_layout"], "ValueError", r"has 1 devices, but 2 processes run"
+            errors["too_few_in_layout"],
+            "ValueError",
+            r"has 1 devices, but 2 processes run",
         )
         assert_error(
             errors["repeated_device"],
@@ -404,22 +479,38 @@ def test_error_cases(pool2):
             r"devices \['cpu:0', 'cpu:0'\] do not name each of the 2 processes once",
         )
         assert_error(
-            errors["foreign_device"], "ValueError", r"Device 'tpu:0' is not a device of this package"
+            errors["foreign_device"],
+            "ValueError",
+            r"Device 'tpu:0' is not a device of this package",
         )
         assert_error(
-            errors["repeated_axis_name"], "ValueError", r"axis_names \['x', 'x'\] repeat a name"
+            errors["repeated_axis_name"],
+            "ValueError",
+            r"axis_names \['x', 'x'\] repeat a name",
         )
-        assert_error(errors["unknown_axis_keras"], "ValueError", r"Invalid axis names.*model")
+        assert_error(
+            errors["unknown_axis_keras"],
+            "ValueError",
+            r"Invalid axis names.*model",
+        )
         assert_error(
             errors["unknown_axis_ours"],
             "ValueError",
             r"name the mesh axis 'model', which the mesh does not have; its axes are \['batch'\]",
         )
-        assert_error(errors["unknown_axis_layout_map"], "ValueError", r"Invalid axis names")
         assert_error(
-            errors["no_mesh"], "ValueError", r"TensorLayout axes=\('batch', None\) has no device mesh"
+            errors["unknown_axis_layout_map"],
+            "ValueError",
+            r"Invalid axis names",
         )
         assert_error(
-            errors["gpu_mesh"], "ValueError", r"are GPUs, but CUDA is not available"
+            errors["no_mesh"],
+            "ValueError",
+            r"TensorLayout axes=\('batch', None\) has no device mesh",
+        )
+        assert_error(
+            errors["gpu_mesh"],
+            "ValueError",
+            r"are GPUs, but CUDA is not available",
         )
         np.testing.assert_array_equal(after, np.arange(4, dtype="float32"))

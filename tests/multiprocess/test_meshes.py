@@ -76,17 +76,19 @@ def _mesh_caching():
     )
     mp_mesh = mp.device_mesh.backend_mesh
     other_names = keras.distribution.DeviceMesh((2,), ["model"], devices)
-    distinct = len(
-        {id(dp_mesh), id(mp_mesh), id(other_names.backend_mesh)}
-    )
+    distinct = len({id(dp_mesh), id(mp_mesh), id(other_names.backend_mesh)})
 
     # Switch back and forth; every rank must stay in step.
     sums = []
     for _ in range(2):
         keras.distribution.set_distribution(keras.distribution.DataParallel())
         current = keras.distribution.distribution().device_mesh.backend_mesh
-        sums.append(("dp", current is dp_mesh, _all_reduce_on(current, "batch")))
-        grid_again = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+        sums.append(
+            ("dp", current is dp_mesh, _all_reduce_on(current, "batch"))
+        )
+        grid_again = keras.distribution.DeviceMesh(
+            (1, 2), ["batch", "model"], devices
+        )
         layout_map = keras.distribution.LayoutMap(grid_again)
         layout_map[".*"] = (None, "model")
         keras.distribution.set_distribution(
@@ -131,8 +133,12 @@ def _reordered_devices():
     import keras
 
     devices = keras.distribution.list_devices()
-    reversed_mesh = keras.distribution.DeviceMesh((2,), ["batch"], devices[::-1])
-    grid = keras.distribution.DeviceMesh((2, 1), ["batch", "model"], devices[::-1])
+    reversed_mesh = keras.distribution.DeviceMesh(
+        (2,), ["batch"], devices[::-1]
+    )
+    grid = keras.distribution.DeviceMesh(
+        (2, 1), ["batch", "model"], devices[::-1]
+    )
     return (
         error_of(lambda: reversed_mesh.backend_mesh),
         error_of(lambda: grid.backend_mesh),
@@ -175,10 +181,14 @@ def test_mesh_cache_and_switching_meshes(pool2):
         assert result["mp_shape"] == (1, 2)
         assert result["mp_names"] == ("batch", "model")
         # On the (1, 2) mesh the "batch" axis holds one rank: its sum is its own.
-        assert result["sums"] == [
-            ("dp", True, 3.0),
-            ("mp", True, 3.0, float(rank + 1)),
-        ] * 2
+        assert (
+            result["sums"]
+            == [
+                ("dp", True, 3.0),
+                ("mp", True, 3.0, float(rank + 1)),
+            ]
+            * 2
+        )
         for gathered in result["gathered"]:
             np.testing.assert_array_equal(gathered, result["full"])
 
@@ -192,5 +202,7 @@ def test_devices_out_of_rank_order_are_refused(pool2):
             r"do not increase along mesh axis 'batch'.*list_devices\(\)",
         )
         assert_error(
-            reversed_2d, "ValueError", r"ranks \[\[1\], \[0\]\]\) do not increase along mesh axis 'batch'"
+            reversed_2d,
+            "ValueError",
+            r"ranks \[\[1\], \[0\]\]\) do not increase along mesh axis 'batch'",
         )

@@ -95,9 +95,9 @@ def _transformer():
     ff = keras.layers.EinsumDense(
         "abc,cd->abd", output_shape=(None, 16), bias_axes="d", name="ff_in"
     )(h)
-    ff = keras.layers.EinsumDense("abd,dc->abc", output_shape=(None, DIM), name="ff_out")(
-        keras.ops.gelu(ff)
-    )
+    ff = keras.layers.EinsumDense(
+        "abd,dc->abc", output_shape=(None, DIM), name="ff_out"
+    )(keras.ops.gelu(ff))
     logits = keras.layers.Dense(VOCAB, name="logits")(h + ff)
     return keras.Model(tokens, logits, name="transformer")
 
@@ -188,16 +188,22 @@ def _set_distribution(rules, mesh):
         return
     devices = keras.distribution.list_devices()
     if mesh == "1d":
-        keras_mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+        keras_mesh = keras.distribution.DeviceMesh(
+            (len(devices),), ["model"], devices
+        )
         batch = "model"
     else:
-        keras_mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
+        keras_mesh = keras.distribution.DeviceMesh(
+            (2, 2), ["batch", "model"], devices
+        )
         batch = "batch"
     layout_map = keras.distribution.LayoutMap(keras_mesh)
     for pattern, axes in rules.items():
         layout_map[pattern] = axes
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name=batch)
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name=batch
+        )
     )
 
 
@@ -253,7 +259,9 @@ def _shards(model):
         out[v.path] = (
             tuple(v.shape),
             tuple(local.shape),
-            str(tuple(value.placements)) if isinstance(value, DTensor) else None,
+            str(tuple(value.placements))
+            if isinstance(value, DTensor)
+            else None,
             born_sharded.local_bytes(v),
         )
     return out
@@ -286,7 +294,9 @@ def numbers(case, mesh, training=True):
             v.path: (born_sharded.local_bytes(v), np.asarray(v))
             for v in optimizer.variables
         }
-        result[f"{name}_iterations_grad"] = optimizer.iterations._value.requires_grad
+        result[f"{name}_iterations_grad"] = (
+            optimizer.iterations._value.requires_grad
+        )
     keras.backend.clear_session()
     keras.distribution.set_distribution(None)
     model = _build(case, mesh)
@@ -325,7 +335,9 @@ def _check_against(reference, results, rules_sharded):
     for rank, got in enumerate(results):
         where = f"rank {rank}"
         for path, value in reference["init"].items():
-            assert np.array_equal(got["init"][path], value), f"{where} init {path}"
+            assert np.array_equal(got["init"][path], value), (
+                f"{where} init {path}"
+            )
         _close(got["out"], reference["out"], f"{where} out")
         _close(got["eval_out"], reference["eval_out"], f"{where} eval_out")
         assert got["eval_is_plain"]
@@ -335,29 +347,52 @@ def _check_against(reference, results, rules_sharded):
         # softmax ignores a per-query constant) is rounding noise, which
         # Adam normalizes into full-size steps; compare those under SGD only.
         noise = {
-            path for path, g in reference["grads"].items()
+            path
+            for path, g in reference["grads"].items()
             if np.max(np.abs(g)) < 1e-6
         }
         for name in ("sgd", "adam"):
             skip = noise if name == "adam" else set()
-            _close(got[f"{name}_losses"], reference[f"{name}_losses"], f"{where} {name} losses")
             _close(
-                {k: v for k, v in got[f"{name}_weights"].items() if k not in skip},
-                {k: v for k, v in reference[f"{name}_weights"].items() if k not in skip},
+                got[f"{name}_losses"],
+                reference[f"{name}_losses"],
+                f"{where} {name} losses",
+            )
+            _close(
+                {
+                    k: v
+                    for k, v in got[f"{name}_weights"].items()
+                    if k not in skip
+                },
+                {
+                    k: v
+                    for k, v in reference[f"{name}_weights"].items()
+                    if k not in skip
+                },
                 f"{where} {name} weights",
             )
             _close(
-                {k: v[1] for k, v in got[f"{name}_slots"].items()
-                 if not any(_slot_prefix(p) in k for p in skip)},
-                {k: v[1] for k, v in reference[f"{name}_slots"].items()
-                 if not any(_slot_prefix(p) in k for p in skip)},
+                {
+                    k: v[1]
+                    for k, v in got[f"{name}_slots"].items()
+                    if not any(_slot_prefix(p) in k for p in skip)
+                },
+                {
+                    k: v[1]
+                    for k, v in reference[f"{name}_slots"].items()
+                    if not any(_slot_prefix(p) in k for p in skip)
+                },
                 f"{where} {name} slots",
             )
             assert got[f"{name}_iterations_grad"] is False
         _close(got["fit_loss"], reference["fit_loss"], f"{where} fit loss")
         _close(
             {k: v for k, v in got["fit_weights"].items() if k not in noise},
-            {k: v for k, v in reference["fit_weights"].items() if k not in noise},
+            {
+                k: v
+                for k, v in reference["fit_weights"].items()
+                if k not in noise
+            },
             f"{where} fit weights (Adam)",
         )
         # Shards: the variables the rules name are split, the rest whole.
@@ -368,7 +403,9 @@ def _check_against(reference, results, rules_sharded):
                 assert local != shape, f"{where} {path}"
                 assert nbytes < full_bytes, f"{where} {path}"
             else:
-                assert placements is None, f"{where} {path} is sharded: {placements}"
+                assert placements is None, (
+                    f"{where} {path} is sharded: {placements}"
+                )
                 assert nbytes == full_bytes
 
 
@@ -381,12 +418,6 @@ def _sharded_by(rules):
     import re
 
     return lambda path: any(re.search(p, path) for p in rules)
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize(
@@ -451,14 +482,25 @@ def test_initial_weights_identical_on_1_2_4_ranks(pool2, pool4, case):
                 # A dim smaller than the processes sharding it (2 heads over
                 # 4) is replicated instead (layouts.for_variable).
                 small = any(0 < n < len(results) for n in shape)
-                split[path] = sharded(path) and not (placements is None and small)
+                split[path] = sharded(path) and not (
+                    placements is None and small
+                )
                 if split[path]:
-                    assert placements is not None and nbytes < full, (name, path)
+                    assert placements is not None and nbytes < full, (
+                        name,
+                        path,
+                    )
                 else:
                     assert nbytes == full, (name, path)
         for path, value in reference.items():
-            copies = len(results) // world[name] if split[path] else len(results)
-            assert total[path] == copies * value.nbytes, (name, path, total[path])
+            copies = (
+                len(results) // world[name] if split[path] else len(results)
+            )
+            assert total[path] == copies * value.nbytes, (
+                name,
+                path,
+                total[path],
+            )
 
 
 def variable_semantics():
@@ -472,8 +514,12 @@ def variable_semantics():
     layout_map[r"^counts$"] = (None, "model")
     layout_map[r"^flags$"] = (None, "model")
     layout_map[r"^frozen$"] = (None, "model")
-    counts = keras.Variable(np.arange(24).reshape(4, 6), dtype="int32", name="counts")
-    flags = keras.Variable(np.ones((4, 6), dtype=bool), dtype="bool", name="flags")
+    counts = keras.Variable(
+        np.arange(24).reshape(4, 6), dtype="int32", name="counts"
+    )
+    flags = keras.Variable(
+        np.ones((4, 6), dtype=bool), dtype="bool", name="flags"
+    )
     frozen = keras.Variable(
         np.ones((4, 6), "float32"), trainable=False, name="frozen"
     )
@@ -481,7 +527,10 @@ def variable_semantics():
     facts["requires_grad"] = {
         name: (isinstance(v._value, DTensor), v._value.requires_grad)
         for name, v in [
-            ("counts", counts), ("flags", flags), ("frozen", frozen), ("scalar", scalar)
+            ("counts", counts),
+            ("flags", flags),
+            ("frozen", frozen),
+            ("scalar", scalar),
         ]
     }
     facts["counts"] = np.asarray(counts)
@@ -521,7 +570,8 @@ def variable_semantics():
     kernel.assign(full)
     facts["after_full_assign"] = np.asarray(kernel)
     other = keras.distribution.distribute_tensor(
-        torch.tensor(full * 2), keras.distribution.TensorLayout(("model", None), mesh)
+        torch.tensor(full * 2),
+        keras.distribution.TensorLayout(("model", None), mesh),
     )
     facts["other_placements"] = str(other.placements)
     kernel.assign(other)
@@ -545,23 +595,42 @@ def test_variable_semantics(pool2):
             "frozen": (True, False),
             "scalar": (False, True),
         }, where
-        np.testing.assert_array_equal(facts["counts"], np.arange(24).reshape(4, 6))
+        np.testing.assert_array_equal(
+            facts["counts"], np.arange(24).reshape(4, 6)
+        )
         assert facts["flags"].dtype == bool and facts["flags"].all()
         assert facts["iterations"][:2] == (False, False), where
         assert "int" in facts["iterations"][2], where
-        for slot, (var, slot_bytes, var_bytes, full_bytes, sp, vp, grad) in facts[
-            "slots"
-        ].items():
+        for slot, (
+            var,
+            slot_bytes,
+            var_bytes,
+            full_bytes,
+            sp,
+            vp,
+            grad,
+        ) in facts["slots"].items():
             assert slot_bytes == var_bytes, (where, slot)
             assert sp == vp, (where, slot, sp, vp)
             assert grad is False, (where, slot)
-            if "col" in var and "kernel" in var or "col/bias" in var or "row/kernel" in var:
+            if (
+                "col" in var
+                and "kernel" in var
+                or "col/bias" in var
+                or "row/kernel" in var
+            ):
                 assert slot_bytes * 2 == full_bytes, (where, slot)
         for key in ("numpy", "convert_to_numpy"):
             assert facts[key].shape == (8, 12), (where, key)
-            np.testing.assert_array_equal(facts[key], reference, err_msg=f"{where} {key}")
+            np.testing.assert_array_equal(
+                facts[key], reference, err_msg=f"{where} {key}"
+            )
         text = facts["repr_all"]
-        assert "value=" not in text and "model" in text and "mlp/col/kernel" in text
+        assert (
+            "value=" not in text
+            and "model" in text
+            and "mlp/col/kernel" in text
+        )
         if rank == 0:
             assert facts["repr"] == text
         np.testing.assert_array_equal(facts["after_full_assign"], full)
@@ -586,7 +655,9 @@ def mixed_precision(mesh):
             "kernel_sharded": isinstance(kernel._value, DTensor),
         }
         model.compile(keras.optimizers.Adam(0.01), "mse")
-        history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        history = model.fit(
+            x, y, batch_size=4, epochs=1, shuffle=False, verbose=0
+        )
         facts["loss"] = history.history["loss"]
         facts["weights"] = _weights(model)
         return facts
@@ -601,9 +672,27 @@ def test_mixed_bfloat16(pool2):
     for rank, facts in enumerate(pool2.run(mixed_precision, "1d")):
         assert facts["out_dtype"] == "torch.bfloat16"
         assert facts["kernel_dtype"] == "float32" and facts["kernel_sharded"]
-        _close(facts["out"], reference["out"], f"rank {rank} out", rtol=2e-2, atol=2e-2)
-        _close(facts["loss"], reference["loss"], f"rank {rank} loss", rtol=2e-2, atol=2e-2)
-        _close(facts["weights"], reference["weights"], f"rank {rank} w", rtol=2e-2, atol=2e-2)
+        _close(
+            facts["out"],
+            reference["out"],
+            f"rank {rank} out",
+            rtol=2e-2,
+            atol=2e-2,
+        )
+        _close(
+            facts["loss"],
+            reference["loss"],
+            f"rank {rank} loss",
+            rtol=2e-2,
+            atol=2e-2,
+        )
+        _close(
+            facts["weights"],
+            reference["weights"],
+            f"rank {rank} w",
+            rtol=2e-2,
+            atol=2e-2,
+        )
 
 
 def convert_dtensor_value():

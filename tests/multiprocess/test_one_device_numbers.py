@@ -51,7 +51,11 @@ class MaskProbe(keras.layers.Layer):
         self.masks = []
 
     def call(self, x, training=None):
-        if training and not isinstance(x, keras.KerasTensor) and x.device.type != "meta":
+        if (
+            training
+            and not isinstance(x, keras.KerasTensor)
+            and x.device.type != "meta"
+        ):
             if not torch.compiler.is_compiling():
                 value = x.detach()
                 if isinstance(value, DTensor):
@@ -64,11 +68,17 @@ def _dropout_model(kind):
     """kind: "unseeded" (torch's global generator), "seeded" (Keras seeds:
     Dropout(seed=), a noise_shape, GaussianNoise) or "both"."""
     inputs = keras.Input((8,))
-    h = keras.layers.Dense(16, name="up")(inputs)  # no activation: zeros are dropped
-    h = keras.layers.Dropout(0.3, seed=5 if kind == "seeded" else None, name="drop")(h)
+    h = keras.layers.Dense(16, name="up")(
+        inputs
+    )  # no activation: zeros are dropped
+    h = keras.layers.Dropout(
+        0.3, seed=5 if kind == "seeded" else None, name="drop"
+    )(h)
     h = MaskProbe(name="probe")(h)
     if kind != "unseeded":
-        h = keras.layers.Dropout(0.2, noise_shape=(None, 1), seed=9, name="rowdrop")(h)
+        h = keras.layers.Dropout(
+            0.2, noise_shape=(None, 1), seed=9, name="rowdrop"
+        )(h)
         h = keras.layers.GaussianNoise(0.1, seed=7, name="noise")(h)
     if kind == "both":
         h = keras.layers.Dropout(0.25, seed=11, name="drop2")(h)
@@ -82,7 +92,9 @@ def _cnn():
     h = keras.layers.Conv2D(8, 3, use_bias=False, name="conv1")(inputs)
     h = keras.layers.BatchNormalization(name="bn1")(h)
     h = keras.layers.ReLU()(h)
-    h = keras.layers.Conv2D(8, 3, padding="same", use_bias=False, name="conv2")(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", use_bias=False, name="conv2")(
+        h
+    )
     h = keras.layers.BatchNormalization(name="bn2")(h)
     h = keras.layers.ReLU()(h)
     h = keras.layers.GlobalAveragePooling2D()(h)
@@ -146,10 +158,14 @@ def _set_distribution(mesh, rules, auto_shard):
         )
     else:
         if mesh == "1d":
-            keras_mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+            keras_mesh = keras.distribution.DeviceMesh(
+                (len(devices),), ["model"], devices
+            )
         else:
             shape = (1, len(devices)) if mesh == "1x2" else (2, 2)
-            keras_mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
+            keras_mesh = keras.distribution.DeviceMesh(
+                shape, ["batch", "model"], devices
+            )
         layout_map = keras.distribution.LayoutMap(keras_mesh)
         for pattern, axes in rules.items():
             layout_map[pattern] = axes
@@ -172,15 +188,26 @@ def _pieces(array, replica, replicas):
     """A replica's rows of every global batch (what it feeds itself)."""
     per = GLOBAL_BATCH // replicas
     batches = array.reshape((-1, GLOBAL_BATCH) + array.shape[1:])
-    return batches[:, replica * per : (replica + 1) * per].reshape((-1,) + array.shape[1:])
+    return batches[:, replica * per : (replica + 1) * per].reshape(
+        (-1,) + array.shape[1:]
+    )
 
 
 def _weights(model):
     return {v.path: np.asarray(v).astype("float32") for v in model.weights}
 
 
-def _run(case, mesh=None, auto_shard=True, jit_compile=False, rows=ROWS, epochs=2,
-         seed=1, init=None, shuffle=False):
+def _run(
+    case,
+    mesh=None,
+    auto_shard=True,
+    jit_compile=False,
+    rows=ROWS,
+    epochs=2,
+    seed=1,
+    init=None,
+    shuffle=False,
+):
     """Train; one process when mesh is None. seed="rank": 1000 + rank."""
     make, rules = MODELS[case]
     x, y = _data(case, rows)
@@ -199,7 +226,9 @@ def _run(case, mesh=None, auto_shard=True, jit_compile=False, rows=ROWS, epochs=
         for v in model.weights:
             v.assign(init[v.path])
     model.compile(
-        optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        jit_compile=jit_compile,
     )
     before = _weights(model)
     history = model.fit(
@@ -229,7 +258,9 @@ def _reference(case, **kwargs):
 
 
 def _assert_same_numbers(result, reference, what):
-    np.testing.assert_allclose(result["loss"], reference["loss"], err_msg=what, **TOL)
+    np.testing.assert_allclose(
+        result["loss"], reference["loss"], err_msg=what, **TOL
+    )
     for path, value in reference["weights"].items():
         np.testing.assert_allclose(
             result["weights"][path], value, err_msg=f"{what} {path}", **TOL
@@ -242,8 +273,12 @@ def _assert_masks(results, reference, replicas):
     steps = len(reference["masks"])
     assert steps == ROWS // GLOBAL_BATCH * 2
     for step in range(steps):
-        pieces = [r["masks"][step] for r in results[:: len(results) // replicas]]
-        np.testing.assert_array_equal(np.concatenate(pieces), reference["masks"][step])
+        pieces = [
+            r["masks"][step] for r in results[:: len(results) // replicas]
+        ]
+        np.testing.assert_array_equal(
+            np.concatenate(pieces), reference["masks"][step]
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -262,7 +297,9 @@ def small_chunks(monkeypatch):
 
     monkeypatch.setattr(sharded_init, "CHUNK_DRAWS", 40)  # 5 chunks of 8 rows
     monkeypatch.setattr(replicas.batch_weight, "rows", None)
-    return lambda window: monkeypatch.setattr(replicas.batch_weight, "rows", window)
+    return lambda window: monkeypatch.setattr(
+        replicas.batch_weight, "rows", window
+    )
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
@@ -281,7 +318,9 @@ def test_dropout_rows_of_one_draw_in_chunks(small_chunks, seeded):
     assert torch.equal(torch.get_rng_state(), after)
 
 
-@pytest.mark.parametrize("kind", ["normal", "uniform", "truncated_normal", "randint"])
+@pytest.mark.parametrize(
+    "kind", ["normal", "uniform", "truncated_normal", "randint"]
+)
 def test_keras_random_rows_of_one_draw_in_chunks(small_chunks, kind):
     def draw(rows):
         generator = keras.random.SeedGenerator(7)
@@ -301,10 +340,17 @@ def test_keras_random_rows_of_one_draw_in_chunks(small_chunks, kind):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["dropout", "dropout_seeded"], ids=["unseeded", "seeded"])
-@pytest.mark.parametrize("mesh,auto_shard", [("dp", True), ("dp", False), ("1d", True)],
-                         ids=["dp", "dp-per-process", "mp-1d"])
-def test_dropout_masks_are_rows_of_one_process_masks(pool2, case, mesh, auto_shard):
+@pytest.mark.parametrize(
+    "case", ["dropout", "dropout_seeded"], ids=["unseeded", "seeded"]
+)
+@pytest.mark.parametrize(
+    "mesh,auto_shard",
+    [("dp", True), ("dp", False), ("1d", True)],
+    ids=["dp", "dp-per-process", "mp-1d"],
+)
+def test_dropout_masks_are_rows_of_one_process_masks(
+    pool2, case, mesh, auto_shard
+):
     reference = _reference(case)
     results = pool2.run(_run, case, mesh, auto_shard)
     _assert_masks(results, reference, replicas=2)
@@ -313,7 +359,9 @@ def test_dropout_masks_are_rows_of_one_process_masks(pool2, case, mesh, auto_sha
         _assert_same_numbers(result, reference, f"rank {rank}")
 
 
-@pytest.mark.parametrize("case", ["dropout", "dropout_seeded"], ids=["unseeded", "seeded"])
+@pytest.mark.parametrize(
+    "case", ["dropout", "dropout_seeded"], ids=["unseeded", "seeded"]
+)
 def test_dropout_of_column_sharded_activation(pool2, case):
     # A batch axis of 1: both processes see every row; the activation after
     # "up" is a DTensor sharded on its columns, and each keeps its columns
@@ -357,7 +405,9 @@ UNEVEN_ROWS = 57  # a last global batch of 9 rows: 5 and 4 per replica
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "jit"])
 def test_batchnorm_cnn_data_parallel(pool2, jit_compile):
     reference = _reference("cnn", rows=UNEVEN_ROWS)
-    results = pool2.run(_run, "cnn", "dp", True, jit_compile, UNEVEN_ROWS, timeout=600)
+    results = pool2.run(
+        _run, "cnn", "dp", True, jit_compile, UNEVEN_ROWS, timeout=600
+    )
     for rank, result in enumerate(results):
         # Moving mean and variance included (model.weights).
         _assert_same_numbers(result, reference, f"rank {rank}")
@@ -374,7 +424,9 @@ def test_masked_batchnorm_data_parallel(pool2):
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "jit"])
 def test_batchnorm_cnn_on_2x2_mesh(pool4, jit_compile):
     reference = _reference("cnn", rows=UNEVEN_ROWS)
-    results = pool4.run(_run, "cnn", "2x2", True, jit_compile, UNEVEN_ROWS, timeout=600)
+    results = pool4.run(
+        _run, "cnn", "2x2", True, jit_compile, UNEVEN_ROWS, timeout=600
+    )
     for rank, result in enumerate(results):
         _assert_same_numbers(result, reference, f"rank {rank}")
 
@@ -392,13 +444,21 @@ def _replicated_paths(results):
 
 
 @pytest.mark.parametrize(
-    "jit_compile,shuffle", [(False, False), (True, False), (False, True)],
+    "jit_compile,shuffle",
+    [(False, False), (True, False), (False, True)],
     ids=["eager", "jit", "shuffle"],
 )
 def test_rank_dependent_seeds_data_parallel(pool2, jit_compile, shuffle):
     reference = _reference("seeds", seed=1000, shuffle=shuffle)
     results = pool2.run(
-        _run, "seeds", "dp", True, jit_compile, seed="rank", shuffle=shuffle, timeout=600
+        _run,
+        "seeds",
+        "dp",
+        True,
+        jit_compile,
+        seed="rank",
+        shuffle=shuffle,
+        timeout=600,
     )
     # Copies are equal from creation (before any step), as on JAX.
     assert not _replicated_paths(results), _replicated_paths(results)
@@ -414,7 +474,9 @@ def test_rank_dependent_seeds_data_parallel(pool2, jit_compile, shuffle):
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "jit"])
 def test_rank_dependent_seeds_model_parallel(pool2, jit_compile):
-    results = pool2.run(_run, "seeds", "1d", True, jit_compile, seed="rank", timeout=600)
+    results = pool2.run(
+        _run, "seeds", "1d", True, jit_compile, seed="rank", timeout=600
+    )
     # Copies of replicated variables are equal from creation.
     assert not _replicated_paths(results), _replicated_paths(results)
     # Sharded (FSDP) variables are made of each rank's block; replicated

@@ -10,7 +10,9 @@ SHAPES = [(6, 4), (4,), (4, 6), (6,)]
 
 def _defining_class(optimizer):
     return next(
-        cls for cls in type(optimizer).__mro__ if "_parallel_update_step" in cls.__dict__
+        cls
+        for cls in type(optimizer).__mro__
+        if "_parallel_update_step" in cls.__dict__
     )
 
 
@@ -27,7 +29,8 @@ def _run_steps(make_optimizer, use_keras_original, layout=None, steps=3):
         value = rng.normal(size=shape).astype("float32")
         variables.append(keras.Variable(value, name=f"v{i}"))
     grads_per_step = [
-        [rng.normal(size=shape).astype("float32") for shape in SHAPES] for _ in range(steps)
+        [rng.normal(size=shape).astype("float32") for shape in SHAPES]
+        for _ in range(steps)
     ]
     optimizer = make_optimizer()
     optimizer.build(variables)
@@ -49,9 +52,16 @@ def _run_steps(make_optimizer, use_keras_original, layout=None, steps=3):
 
             def local(t):
                 t = t.value if hasattr(t, "value") else t
-                return (t.to_local() if isinstance(t, DTensor) else t).detach().clone().numpy()
+                return (
+                    (t.to_local() if isinstance(t, DTensor) else t)
+                    .detach()
+                    .clone()
+                    .numpy()
+                )
 
-            history.append([local(v) for v in variables + list(optimizer.variables)])
+            history.append(
+                [local(v) for v in variables + list(optimizer.variables)]
+            )
     finally:
         owner._parallel_update_step = patched
     return history
@@ -72,7 +82,9 @@ def _assert_bit_equal(ours, theirs):
     for step, (a_step, b_step) in enumerate(zip(ours, theirs)):
         for i, (a, b) in enumerate(zip(a_step, b_step)):
             assert a.shape == b.shape
-            assert np.array_equal(a, b), f"step {step}, tensor {i}: max diff {np.abs(a - b).max()}"
+            assert np.array_equal(a, b), (
+                f"step {step}, tensor {i}: max diff {np.abs(a - b).max()}"
+            )
 
 
 @pytest.mark.parametrize("path", ["one_by_one", "foreach_chunks"])
@@ -86,10 +98,16 @@ def test_adam_update_is_bit_identical_to_keras(kind, path, monkeypatch):
     from keras_torch_distribution.training import optimizer_update
 
     if path == "foreach_chunks":
-        monkeypatch.setattr(optimizer_update, "_use_foreach", lambda value: True)
+        monkeypatch.setattr(
+            optimizer_update, "_use_foreach", lambda value: True
+        )
         monkeypatch.setattr(optimizer_update, "FOREACH_CHUNK_BYTES", 120)
-        sizes = [len(c) for c in optimizer_update._chunks(
-            [[torch.zeros(shape)] for shape in SHAPES])]
+        sizes = [
+            len(c)
+            for c in optimizer_update._chunks(
+                [[torch.zeros(shape)] for shape in SHAPES]
+            )
+        ]
         assert sizes == [2, 2], sizes
     make = _optimizers()[kind]
     _assert_bit_equal(_run_steps(make, False), _run_steps(make, True))
@@ -108,7 +126,9 @@ def sharded_adam_histories(kind):
     layout_map["v0"] = ("model", None)
     layout_map["v1"] = ("model",)
     layout_map["v2"] = (None, "model")
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
 
     def layout(g, like):
         return distribute_tensor(g, like.device_mesh, like.placements)
@@ -124,6 +144,10 @@ def sharded_adam_histories(kind):
 
 @pytest.mark.parametrize("kind", ["adam", "amsgrad"])
 def test_sharded_adam_update_is_bit_identical_to_keras(pool2, kind):
-    for rank, (ours, theirs) in enumerate(pool2.run(sharded_adam_histories, kind)):
-        assert ours[0][0].shape == (SHAPES[0][0] // 2, SHAPES[0][1]), f"rank {rank}"
+    for rank, (ours, theirs) in enumerate(
+        pool2.run(sharded_adam_histories, kind)
+    ):
+        assert ours[0][0].shape == (SHAPES[0][0] // 2, SHAPES[0][1]), (
+            f"rank {rank}"
+        )
         _assert_bit_equal(ours, theirs)

@@ -17,14 +17,17 @@ def _model():
 
 def forward_and_grads(output_axes, pure_tensor_parallel=False):
     import keras
-    import torch
 
     if output_axes is not None:
         devices = keras.distribution.list_devices()
         if pure_tensor_parallel:  # a batch axis of size 1
-            mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+            mesh = keras.distribution.DeviceMesh(
+                (1, len(devices)), ["batch", "model"], devices
+            )
         else:  # the one axis is also the batch axis: FSDP, rows split
-            mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
+            mesh = keras.distribution.DeviceMesh(
+                (len(devices),), ["model"], devices
+            )
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map[".*col/kernel"] = (None, "model")
         layout_map[".*row/kernel"] = ("model", None)
@@ -38,14 +41,23 @@ def forward_and_grads(output_axes, pure_tensor_parallel=False):
     x = np.random.default_rng(2).normal(size=(4, 6)).astype("float32")
     out = model(x)
     out.sum().backward()
-    grads = [np.asarray(keras.ops.convert_to_numpy(v.value.grad)) for v in model.trainable_weights]
+    grads = [
+        np.asarray(keras.ops.convert_to_numpy(v.value.grad))
+        for v in model.trainable_weights
+    ]
     keras.distribution.set_distribution(None)
     return np.asarray(out.detach()), grads
 
 
-@pytest.mark.parametrize("pure_tensor_parallel", [False, True], ids=["1d", "1x2"])
-@pytest.mark.parametrize("axes", [(None, None), (None, "model"), ("model", None)])
-def test_output_relayout_keeps_one_process_numbers(pool2, axes, pure_tensor_parallel):
+@pytest.mark.parametrize(
+    "pure_tensor_parallel", [False, True], ids=["1d", "1x2"]
+)
+@pytest.mark.parametrize(
+    "axes", [(None, None), (None, "model"), ("model", None)]
+)
+def test_output_relayout_keeps_one_process_numbers(
+    pool2, axes, pure_tensor_parallel
+):
     ref_out, ref_grads = forward_and_grads(None)
     for out, grads in pool2.run(forward_and_grads, axes, pure_tensor_parallel):
         np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)

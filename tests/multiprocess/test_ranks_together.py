@@ -26,11 +26,13 @@ def _model():
     import keras
 
     keras.utils.set_random_seed(3)
-    model = keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, activation="relu", name="hidden"),
-        keras.layers.Dense(3, name="out"),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu", name="hidden"),
+            keras.layers.Dense(3, name="out"),
+        ]
+    )
     model.compile(keras.optimizers.Adam(0.01), "mse")
     return model
 
@@ -43,7 +45,9 @@ class _Records:
 
         self.messages = []
         self.handler = logging.Handler()
-        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+        self.handler.emit = lambda record: self.messages.append(
+            record.getMessage()
+        )
         logger.addHandler(self.handler)
         return self
 
@@ -80,8 +84,15 @@ def stop_on_one_rank(kind, stop_rank, stop_at_batch):
     model = _model()
     x, y = data(ROWS)
     with _Records() as records:
-        history = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0,
-                            callbacks=[StopAt()], shuffle=False)
+        history = model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=3,
+            verbose=0,
+            callbacks=[StopAt()],
+            shuffle=False,
+        )
     return history.history["loss"], _weights(model), records.messages
 
 
@@ -91,11 +102,21 @@ def test_stop_training_on_one_rank_stops_every_rank(pool2):
         results = pool2.run(stop_on_one_rank, kind, 1, 1, timeout=300)
         for rank, (losses, weights, messages) in enumerate(results):
             # Stopped in epoch 0 after batch 1, as one process stopped there.
-            np.testing.assert_allclose(losses, reference[0], rtol=1e-4, atol=2e-5)
+            np.testing.assert_allclose(
+                losses, reference[0], rtol=1e-4, atol=2e-5
+            )
             for got, want in zip(weights, reference[1]):
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
-            said = [m for m in messages if "stop_training was set on rank(s) [1] only" in m]
-            assert said and "epoch 0, after batch 1" in said[0], (kind, rank, messages)
+            said = [
+                m
+                for m in messages
+                if "stop_training was set on rank(s) [1] only" in m
+            ]
+            assert said and "epoch 0, after batch 1" in said[0], (
+                kind,
+                rank,
+                messages,
+            )
 
 
 def test_stop_training_on_every_rank_says_nothing(pool2):
@@ -131,7 +152,9 @@ def uneven_generators(batches_per_rank):
 
     def batches():
         for step in range(count):
-            rows = slice(step * BATCH + rank * per, step * BATCH + (rank + 1) * per)
+            rows = slice(
+                step * BATCH + rank * per, step * BATCH + (rank + 1) * per
+            )
             yield x[rows], y[rows]
 
     model = _model()
@@ -147,8 +170,14 @@ def test_generators_of_different_lengths_end_together(pool2):
     keras_reference = _reference_two_batches()
     for rank, (losses, weights, messages) in enumerate(results):
         for got, want in zip(weights, keras_reference[1]):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5, err_msg=f"rank {rank}")
-        said = [m for m in messages if "Rank(s) [1] ran out of input after 2 batches" in m]
+            np.testing.assert_allclose(
+                got, want, rtol=1e-4, atol=2e-5, err_msg=f"rank {rank}"
+            )
+        said = [
+            m
+            for m in messages
+            if "Rank(s) [1] ran out of input after 2 batches" in m
+        ]
         assert said, (rank, messages)
 
 
@@ -157,8 +186,14 @@ def _reference_two_batches():
 
     x, y = data(ROWS)
     model = _model()
-    history = model.fit(x[: 2 * BATCH], y[: 2 * BATCH], batch_size=BATCH, epochs=1,
-                        verbose=0, shuffle=False)
+    history = model.fit(
+        x[: 2 * BATCH],
+        y[: 2 * BATCH],
+        batch_size=BATCH,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+    )
     keras.backend.clear_session()
     return history.history["loss"], _weights(model)
 
@@ -176,18 +211,23 @@ def build_with_rank_seeds(kind):
 
     set_distribution(kind)
     keras.utils.set_random_seed(1000 + dist.get_rank())
-    model = keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, activation="relu", name="hidden"),
-        keras.layers.Dense(3, name="out"),
-        keras.layers.Dense(3, name="side"),  # replicated under the rules
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu", name="hidden"),
+            keras.layers.Dense(3, name="out"),
+            keras.layers.Dense(3, name="side"),  # replicated under the rules
+        ]
+    )
     local = {}
     for variable in model.weights:
         value = variable.value
         local[variable.path] = (
-            value.to_local() if isinstance(value, DTensor) else value
-        ).detach().numpy().copy()
+            (value.to_local() if isinstance(value, DTensor) else value)
+            .detach()
+            .numpy()
+            .copy()
+        )
     return local
 
 
@@ -197,13 +237,19 @@ def test_copies_are_equal_from_creation_on_2x2_mesh(pool4):
     # replicated ones whole.
     local = pool4.run(build_with_rank_seeds, "hybrid", timeout=300)
     for path in local[0]:
-        np.testing.assert_array_equal(local[2][path], local[0][path], err_msg=path)
-        np.testing.assert_array_equal(local[3][path], local[1][path], err_msg=path)
+        np.testing.assert_array_equal(
+            local[2][path], local[0][path], err_msg=path
+        )
+        np.testing.assert_array_equal(
+            local[3][path], local[1][path], err_msg=path
+        )
     for path in ("side/kernel", "side/bias", "out/bias"):
         full = [p for p in local[0] if p.endswith(path)]
         assert full, list(local[0])
         for rank in (1, 2, 3):
-            np.testing.assert_array_equal(local[rank][full[0]], local[0][full[0]])
+            np.testing.assert_array_equal(
+                local[rank][full[0]], local[0][full[0]]
+            )
     # The blocks of a sharded kernel differ (rank 0 and 1 hold other columns).
     hidden = [p for p in local[0] if p.endswith("hidden/kernel")][0]
     assert local[0][hidden].shape == (6, 4)
@@ -213,7 +259,9 @@ def test_copies_are_equal_from_creation_on_2x2_mesh(pool4):
 def test_copies_are_equal_from_creation_data_parallel(pool2):
     local = pool2.run(build_with_rank_seeds, "dp", timeout=300)
     for path in local[0]:
-        np.testing.assert_array_equal(local[1][path], local[0][path], err_msg=path)
+        np.testing.assert_array_equal(
+            local[1][path], local[0][path], err_msg=path
+        )
 
 
 # ---------------------------------------------------------------------------

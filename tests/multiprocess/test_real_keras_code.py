@@ -24,7 +24,9 @@ def _attention_model():
 
 def _data():
     rng = np.random.default_rng(3)
-    return rng.normal(size=(8, 5, 8)).astype("float32"), rng.normal(size=(8, 5, 3)).astype("float32")
+    return rng.normal(size=(8, 5, 8)).astype("float32"), rng.normal(
+        size=(8, 5, 3)
+    ).astype("float32")
 
 
 SHORT_RULES = [
@@ -44,36 +46,52 @@ def short_layouts(rules):
     distributed = rules is not None
     if distributed:
         devices = keras.distribution.list_devices()
-        mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+        mesh = keras.distribution.DeviceMesh(
+            (1, 2), ["batch", "model"], devices
+        )
         layout_map = keras.distribution.LayoutMap(mesh)
         for pattern, axes in rules.items():
             layout_map[pattern] = axes
         keras.distribution.set_distribution(
-            keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+            keras.distribution.ModelParallel(
+                layout_map=layout_map, batch_dim_name="batch"
+            )
         )
     model = _attention_model()
     model.compile(keras.optimizers.SGD(0.05), "mse")
     x, y = _data()
-    losses = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+    losses = model.fit(
+        x, y, batch_size=8, epochs=2, shuffle=False, verbose=0
+    ).history["loss"]
     query = model.get_layer("mha")._query_dense.kernel
     value = query.value
     return {
         "losses": losses,
         "predict": model.predict(x, verbose=0),
-        "query_local": tuple(value.to_local().shape) if isinstance(value, DTensor) else None,
-        "query_axes": getattr(query._ktd_layout, "axes", None) if distributed else None,
+        "query_local": tuple(value.to_local().shape)
+        if isinstance(value, DTensor)
+        else None,
+        "query_axes": getattr(query._ktd_layout, "axes", None)
+        if distributed
+        else None,
     }
 
 
-@pytest.mark.parametrize("rules", SHORT_RULES, ids=["kernels_and_bn", "bn_output"])
+@pytest.mark.parametrize(
+    "rules", SHORT_RULES, ids=["kernels_and_bn", "bn_output"]
+)
 def test_short_layouts_are_prefixes_as_on_jax(pool2, rules):
     import keras
 
     keras.backend.clear_session()
     want = short_layouts(None)
     for got in pool2.run(short_layouts, rules):
-        np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got["predict"], want["predict"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            got["losses"], want["losses"], rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            got["predict"], want["predict"], rtol=1e-5, atol=1e-5
+        )
         if ".*kernel" in rules:
             # query kernel (8, 2 heads, 4): (None, "model") shards the heads.
             assert got["query_local"] == (8, 1, 4)
@@ -94,7 +112,9 @@ def uneven_einsum(heads, distributed=True):
         mesh = keras.distribution.DeviceMesh((2,), ["model"], devices)
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map[".*heads/kernel"] = (None, "model", None)
-        keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map)
+        )
     keras.utils.set_random_seed(2)
     records = []
     handler = _ListHandler(records)
@@ -133,10 +153,16 @@ def test_uneven_einsum_kernels(pool2):
     # (2 + 1). Both give one process's output and fit step.
     for heads in (1, 3):
         (want_output, want_kernel), _ = uneven_einsum(heads, distributed=False)
-        for rank, ((output, kernel), records) in enumerate(pool2.run(uneven_einsum, heads)):
+        for rank, ((output, kernel), records) in enumerate(
+            pool2.run(uneven_einsum, heads)
+        ):
             where = f"{heads} heads, rank {rank}"
-            np.testing.assert_allclose(output, want_output, rtol=1e-6, atol=1e-6, err_msg=where)
-            np.testing.assert_allclose(kernel, want_kernel, rtol=1e-6, atol=1e-6, err_msg=where)
+            np.testing.assert_allclose(
+                output, want_output, rtol=1e-6, atol=1e-6, err_msg=where
+            )
+            np.testing.assert_allclose(
+                kernel, want_kernel, rtol=1e-6, atol=1e-6, err_msg=where
+            )
             replicated = any(
                 "splits dims [1] over more processes than they have entries, so "
                 "they are replicated instead (layout (None, None, None))" in r
@@ -148,7 +174,9 @@ def test_uneven_einsum_kernels(pool2):
 def keras_file_writers(directory):
     """Keras' weight stores, opened for writing by every rank at one path."""
     import keras
-    from keras.src.saving import saving_lib  # the stores keras_hub writes through
+    from keras.src.saving import (
+        saving_lib,
+    )  # the stores keras_hub writes through
 
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     h5_path = os.path.join(directory, "direct.h5")
@@ -162,11 +190,20 @@ def keras_file_writers(directory):
     npz = saving_lib.NpzIOStore(os.path.join(directory, "direct.npz"), mode="w")
     npz.make("group")["value"] = np.arange(3.0)
     npz.close()
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")])
-    model.save_weights(os.path.join(directory, "sharded.weights.json"), max_shard_size=0.0001)
-    fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")])
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, name="d")]
+    )
+    model.save_weights(
+        os.path.join(directory, "sharded.weights.json"), max_shard_size=0.0001
+    )
+    fresh = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, name="d")]
+    )
     fresh.load_weights(os.path.join(directory, "sharded.weights.json"))
-    same = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), fresh.get_weights()))
+    same = all(
+        np.array_equal(a, b)
+        for a, b in zip(model.get_weights(), fresh.get_weights())
+    )
     return h5_value, same, sorted(os.listdir(directory))
 
 
@@ -177,9 +214,17 @@ def test_every_keras_weight_store_writes_once(pool2, tmp_path):
     for h5_value, same, names in pool2.run(keras_file_writers, str(tmp_path)):
         np.testing.assert_array_equal(h5_value, np.arange(4.0))
         assert same
-        assert "direct.h5" in names and "direct.npz" in names and "sharded.weights.json" in names
+        assert (
+            "direct.h5" in names
+            and "direct.npz" in names
+            and "sharded.weights.json" in names
+        )
         assert all(n.startswith(("direct.", "sharded")) for n in names), names
-    leftovers = {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("ktd-discard-")}
+    leftovers = {
+        n
+        for n in set(os.listdir(tempfile.gettempdir())) - before
+        if n.startswith("ktd-discard-")
+    }
     assert not leftovers
 
 
@@ -195,7 +240,9 @@ def small_things():
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     try:
-        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="nope")
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="nope"
+        )
     except ValueError as error:
         out["batch_dim_name"] = str(error)
     try:
@@ -212,7 +259,9 @@ def small_things():
     out["summary_collected"] = bool(lines)
     dp = keras.distribution.DataParallel()
     local = torch.arange(6.0).reshape(3, 2) + 10 * torch.distributed.get_rank()
-    rows = distribution_lib.distribute_data_input(local, dp.get_data_layout((6, 2)), "batch")
+    rows = distribution_lib.distribute_data_input(
+        local, dp.get_data_layout((6, 2)), "batch"
+    )
     out["data_input"] = (isinstance(rows, DTensor), rows.numpy())
     return out
 
@@ -232,7 +281,9 @@ def test_small_things_users_meet_first(pool2):
         assert out["summary_collected"]
         is_dtensor, rows = out["data_input"]
         assert not is_dtensor
-        np.testing.assert_array_equal(rows, np.arange(6.0).reshape(3, 2) + 10 * rank)
+        np.testing.assert_array_equal(
+            rows, np.arange(6.0).reshape(3, 2) + 10 * rank
+        )
 
 
 @pytest.mark.parametrize("axes", [("batch", None, None, None)])
@@ -242,6 +293,10 @@ def test_layouts_longer_than_the_tensor_are_refused(axes):
     from keras_torch_distribution.distributed import layouts
 
     layout = layouts.TorchLayout(mesh=None, placements=(Shard(0),), axes=axes)
-    with pytest.raises(ValueError, match=r"have 4 entries, but the tensor has shape \(2, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"have 4 entries, but the tensor has shape \(2, 3\)"
+    ):
         layouts.check_rank(layout, (2, 3), "the tensor")
-    layouts.check_rank(layouts.TorchLayout(None, (Shard(0),), ("batch",)), (2, 3), "x")
+    layouts.check_rank(
+        layouts.TorchLayout(None, (Shard(0),), ("batch",)), (2, 3), "x"
+    )

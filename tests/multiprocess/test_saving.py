@@ -26,12 +26,16 @@ def _model_parallel():
     layout_map[".*col/kernel"] = (None, "model")
     layout_map[".*col/bias"] = ("model",)
     layout_map[".*row/kernel"] = ("model", None)
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map)
+    )
 
 
 def _data():
     rng = np.random.default_rng(1)
-    return rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
+    return rng.normal(size=(32, 6)).astype("float32"), rng.normal(
+        size=(32, 3)
+    ).astype("float32")
 
 
 def train_and_save(directory):
@@ -59,19 +63,30 @@ def train_and_save(directory):
     return complete, model.predict(x, verbose=0), sorted(os.listdir(directory))
 
 
-def test_sharded_model_saves_one_keras_file_that_loads_in_one_process(pool2, tmp_path):
+def test_sharded_model_saves_one_keras_file_that_loads_in_one_process(
+    pool2, tmp_path
+):
     import keras
 
     results = pool2.run(train_and_save, str(tmp_path))
     for complete, _, names in results:
         assert complete
-        assert names == ["best.keras", "final.keras", "final.weights.h5", "log.csv"]
+        assert names == [
+            "best.keras",
+            "final.keras",
+            "final.weights.h5",
+            "log.csv",
+        ]
     x, _ = _data()
     loaded = keras.saving.load_model(tmp_path / "final.keras")
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), results[0][1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), results[0][1], rtol=1e-5, atol=1e-6
+    )
     plain = _model()
     plain.load_weights(tmp_path / "final.weights.h5")
-    np.testing.assert_allclose(plain.predict(x, verbose=0), results[1][1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        plain.predict(x, verbose=0), results[1][1], rtol=1e-5, atol=1e-6
+    )
     lines = (tmp_path / "log.csv").read_text().strip().splitlines()
     assert len(lines) == 4  # a header and 3 epochs, written once
     assert lines[0].startswith("epoch,loss")
@@ -100,8 +115,12 @@ def test_ordinary_keras_file_loads_into_a_sharded_model(pool2, tmp_path):
     path = str(tmp_path / "plain.weights.h5")
     model.save_weights(path)
     expected = [np.asarray(v) for v in model.weights]
-    for sharded, local_shape, weights, predictions in pool2.run(load_into_sharded, path):
+    for sharded, local_shape, weights, predictions in pool2.run(
+        load_into_sharded, path
+    ):
         assert sharded and local_shape == (6, 8)
         for got, want in zip(weights, expected):
             np.testing.assert_array_equal(got, want)
-        np.testing.assert_allclose(predictions, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            predictions, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+        )

@@ -38,7 +38,9 @@ def _arguments(op, mask_shape):
         if role == sharding_rules.MASK:
             value = None if mask_shape is None else _spec(mask_shape)
         elif "Tensor" in kind:
-            value = _spec((B, H, L, D) if role == sharding_rules.HEADS else (2,))
+            value = _spec(
+                (B, H, L, D) if role == sharding_rules.HEADS else (2,)
+            )
         elif "bool[" in kind:
             value = [True] * 4
         elif "bool" in kind:
@@ -55,7 +57,9 @@ def _arguments(op, mask_shape):
 
 
 @pytest.mark.parametrize("op", sharding_rules._attention_ops(), ids=str)
-@pytest.mark.parametrize("mask_shape", [None, (B, 1, L, L), (B, H, L, L), (L, L)])
+@pytest.mark.parametrize(
+    "mask_shape", [None, (B, 1, L, L), (B, H, L, L), (L, L)]
+)
 def test_attention_rules_place_every_tensor_of_the_schema(op, mask_shape):
     takes_mask = any(
         sharding_rules._ARGUMENT_ROLES.get(a.name) == sharding_rules.MASK
@@ -72,23 +76,35 @@ def test_attention_rules_place_every_tensor_of_the_schema(op, mask_shape):
         )
         if value is not None and hasattr(value, "tensor_meta")
     ]
-    mask_name = next((n for n in ("attn_mask", "attn_bias") if n in tensors), None)
+    mask_name = next(
+        (n for n in ("attn_mask", "attn_bias") if n in tensors), None
+    )
     assert all(p == Replicate() for p in options[0][1] if p is not None)
     if mask_name is None or mask_name not in kwargs:
-        assert len(options) == 3, options  # replicated, sharded on batch, on heads
+        assert len(options) == 3, (
+            options
+        )  # replicated, sharded on batch, on heads
     for outputs, inputs in options:
         assert len(outputs) == len(op._schema.returns), (op, outputs)
-        placed = [n for n, p in zip([a.name for a in op._schema.arguments], inputs) if p is not None]
+        placed = [
+            n
+            for n, p in zip([a.name for a in op._schema.arguments], inputs)
+            if p is not None
+        ]
         assert placed == tensors, (op, inputs)
     if mask_name is None or mask_name in kwargs:
         return
     # A positional mask follows the heads where it spans them, and is
     # replicated where it broadcasts (the kwarg masks keep their placement).
     names = [a.name for a in op._schema.arguments]
-    by_strategy = {repr(inputs[names.index("query")]): inputs[names.index(mask_name)]
-                   for _, inputs in options}
+    by_strategy = {
+        repr(inputs[names.index("query")]): inputs[names.index(mask_name)]
+        for _, inputs in options
+    }
     heads = by_strategy[repr(Shard(1))]
-    assert heads == (Shard(1) if mask_shape[-3:-2] == (H,) else Replicate()), mask_shape
+    assert heads == (Shard(1) if mask_shape[-3:-2] == (H,) else Replicate()), (
+        mask_shape
+    )
 
 
 def test_a_kwarg_mask_keeps_its_placement():
@@ -103,8 +119,12 @@ def test_a_kwarg_mask_keeps_its_placement():
     assert [o[1][0] for o in broadcast] == [Replicate(), Shard(1)]
     batch_sharded = rule(q, q, q, attn_mask=_spec((B, 1, L, L), (Shard(0),)))
     assert [o[1][0] for o in batch_sharded] == [Shard(0)]
-    with pytest.raises(ValueError, match="placed the same way on every mesh axis"):
-        rule(q, q, q, attn_mask=_spec((B, H, L, L), (Shard(0), Shard(1)), (2, 2)))
+    with pytest.raises(
+        ValueError, match="placed the same way on every mesh axis"
+    ):
+        rule(
+            q, q, q, attn_mask=_spec((B, H, L, L), (Shard(0), Shard(1)), (2, 2))
+        )
 
 
 def test_rules_are_registered_and_cached_by_mask():
@@ -118,7 +138,10 @@ def test_rules_are_registered_and_cached_by_mask():
         else:
             assert op in propagator.op_strategy_funcs, op
             registered.append(op)
-    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in registered
+    assert (
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        in registered
+    )
     info = propagator.op_to_schema_info[
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     ]
@@ -138,7 +161,9 @@ def attention_cases(cases):
     import torch.nn.functional as F
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = keras.distribution.DeviceMesh((2,), ["model"], keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2,), ["model"], keras.distribution.list_devices()
+    )
     results = []
     for mask_shape, dim, mask_dim in cases:
         torch.manual_seed(0)
@@ -148,27 +173,44 @@ def attention_cases(cases):
         want = F.scaled_dot_product_attention(*plain, attn_mask=mask)
         want.sum().backward()
         sharded = [
-            distribute_tensor(t.detach(), mesh.backend_mesh, [Shard(dim)]).requires_grad_()
+            distribute_tensor(
+                t.detach(), mesh.backend_mesh, [Shard(dim)]
+            ).requires_grad_()
             for t in plain
         ]
         if mask_dim is not None:
             mask = distribute_tensor(mask, mesh.backend_mesh, [Shard(mask_dim)])
         got = F.scaled_dot_product_attention(*sharded, attn_mask=mask)
         got.sum().backward()
-        results.append((
-            str(tuple(got.placements)),
-            float((got.full_tensor() - want).abs().max()),
-            max(float((s.grad.full_tensor() - p.grad).abs().max()) for s, p in zip(sharded, plain)),
-        ))
+        results.append(
+            (
+                str(tuple(got.placements)),
+                float((got.full_tensor() - want).abs().max()),
+                max(
+                    float((s.grad.full_tensor() - p.grad).abs().max())
+                    for s, p in zip(sharded, plain)
+                ),
+            )
+        )
     return results
 
 
 ATTENTION_CASES = [
-    ((B, 1, L, L), 1, None, "(Shard(dim=1),)"),  # broadcast over heads: stays sharded
+    (
+        (B, 1, L, L),
+        1,
+        None,
+        "(Shard(dim=1),)",
+    ),  # broadcast over heads: stays sharded
     ((L, L), 0, None, "(Shard(dim=0),)"),
     ((B, 1, L, L), 0, None, "(Replicate(),)"),  # plain batch mask: gathered
     ((B, H, L, L), 1, None, "(Replicate(),)"),
-    ((B, 1, L, L), 0, 0, "(Shard(dim=0),)"),  # a sharded mask keeps the batch sharded
+    (
+        (B, 1, L, L),
+        0,
+        0,
+        "(Shard(dim=0),)",
+    ),  # a sharded mask keeps the batch sharded
     ((B, H, L, L), 1, 1, "(Shard(dim=1),)"),
 ]
 
@@ -176,12 +218,18 @@ ATTENTION_CASES = [
 def test_masked_attention_on_dtensors_matches_plain(pool2):
     cases = [case[:3] for case in ATTENTION_CASES]
     for results in pool2.run(attention_cases, cases):
-        for (mask_shape, dim, mask_dim, placements), (got, forward, backward) in zip(
-            ATTENTION_CASES, results
-        ):
+        for (mask_shape, dim, mask_dim, placements), (
+            got,
+            forward,
+            backward,
+        ) in zip(ATTENTION_CASES, results):
             where = (mask_shape, dim, mask_dim)
             assert got == placements, where
-            assert forward < 1e-5 and backward < 1e-5, (where, forward, backward)
+            assert forward < 1e-5 and backward < 1e-5, (
+                where,
+                forward,
+                backward,
+            )
 
 
 def updates_into_plain():
@@ -190,7 +238,9 @@ def updates_into_plain():
     import keras
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = keras.distribution.DeviceMesh((2,), ["model"], keras.distribution.list_devices())
+    mesh = keras.distribution.DeviceMesh(
+        (2,), ["model"], keras.distribution.list_devices()
+    )
     cache = torch.zeros(2, 6, 4)
     update = torch.arange(2 * 2 * 4, dtype=torch.float32).reshape(2, 2, 4)
     heads = distribute_tensor(update, mesh.backend_mesh, [Shard(2)])
@@ -223,7 +273,9 @@ def test_slice_and_scatter_updates_write_dtensors_into_plain_tensors(pool2):
     want_scattered[[1, 3]] = 1.0
     want_position = np.zeros((2, 6, 2, 4), "float32")
     want_position[:, 3:4] = np.arange(16, dtype="float32").reshape(2, 1, 2, 4)
-    for sliced, at_index, scattered, at_position in pool2.run(updates_into_plain):
+    for sliced, at_index, scattered, at_position in pool2.run(
+        updates_into_plain
+    ):
         assert sliced[0] == "DTensor" and scattered[0] == "DTensor"
         np.testing.assert_array_equal(sliced[1], want_sliced)
         np.testing.assert_array_equal(at_index[1], want_index)
@@ -259,20 +311,35 @@ def index_writes():
         base = torch.randn(shape, generator=generator)
         values = torch.randn(values_shape, generator=generator)
         indices = [None if e is None else torch.tensor(e) for e in entries]
-        want = torch.ops.aten.index_put.default(base, indices, values, accumulate)
+        want = torch.ops.aten.index_put.default(
+            base, indices, values, accumulate
+        )
         self_placements = [Replicate()] + [Shard(d) for d in range(len(shape))]
         values_placements = [None, Replicate()] + [
-            Shard(d) for d in range(len(values_shape)) if values_shape[d] % 2 == 0
+            Shard(d)
+            for d in range(len(values_shape))
+            if values_shape[d] % 2 == 0
         ]
         for self_placement in self_placements:
             for values_placement in values_placements:
                 for in_place in (False, True):
                     x = distribute_tensor(base.clone(), mesh, [self_placement])
-                    v = values if values_placement is None else distribute_tensor(
-                        values, mesh, [values_placement]
+                    v = (
+                        values
+                        if values_placement is None
+                        else distribute_tensor(values, mesh, [values_placement])
                     )
-                    op = torch.ops.aten.index_put_ if in_place else torch.ops.aten.index_put
-                    where = (name, repr(self_placement), repr(values_placement), in_place)
+                    op = (
+                        torch.ops.aten.index_put_
+                        if in_place
+                        else torch.ops.aten.index_put
+                    )
+                    where = (
+                        name,
+                        repr(self_placement),
+                        repr(values_placement),
+                        in_place,
+                    )
                     try:
                         got = op.default(x, indices, v, accumulate)
                     except RuntimeError as error:
@@ -302,7 +369,14 @@ def test_index_writes_into_dtensors_match_plain(pool2):
     }
     for results in pool2.run(index_writes):
         assert len(results) == 188, len(results)
-        for name, self_placement, values_placement, in_place, got, error in results:
+        for (
+            name,
+            self_placement,
+            values_placement,
+            in_place,
+            got,
+            error,
+        ) in results:
             where = (name, self_placement, values_placement, in_place)
             on_indexed = any(
                 self_placement == repr(Shard(d)) for d in indexed_dims[name]
@@ -323,13 +397,21 @@ def stacks():
     plain = [torch.randn(4, 2, 6, generator=generator) for _ in range(2)]
     results = []
     for shard_dim in range(3):
-        sharded = [distribute_tensor(p, mesh, [Shard(shard_dim)]) for p in plain]
+        sharded = [
+            distribute_tensor(p, mesh, [Shard(shard_dim)]) for p in plain
+        ]
         for dim in range(-4, 4):
             got = torch.stack(sharded, dim=dim)
             want = torch.stack(plain, dim=dim)
             full = got.full_tensor()
-            error = float((full - want).abs().max()) if full.shape == want.shape else float("inf")
-            results.append(((shard_dim, dim), repr(tuple(got.placements)), error))
+            error = (
+                float((full - want).abs().max())
+                if full.shape == want.shape
+                else float("inf")
+            )
+            results.append(
+                ((shard_dim, dim), repr(tuple(got.placements)), error)
+            )
     return results
 
 
@@ -342,12 +424,25 @@ def test_stack_of_sharded_tensors_matches_plain(pool2):
         for (shard_dim, dim), placements, error in results:
             inserted = dim % 4
             want = shard_dim + 1 if shard_dim >= inserted else shard_dim
-            assert placements == repr((Shard(want),)), (shard_dim, dim, placements)
+            assert placements == repr((Shard(want),)), (
+                shard_dim,
+                dim,
+                placements,
+            )
             assert error == 0.0, (shard_dim, dim, error)
 
 
 # squeeze arguments: none, one dim, several (negative ones included).
-SQUEEZES = [(), (0,), (1,), (-1,), ((0, 1),), ((0, 2),), ((0, 1, 2, 3, 4),), ((-5, -3),)]
+SQUEEZES = [
+    (),
+    (0,),
+    (1,),
+    (-1,),
+    ((0, 1),),
+    ((0, 2),),
+    ((0, 1, 2, 3, 4),),
+    ((-5, -3),),
+]
 
 
 def squeezes():
@@ -355,7 +450,9 @@ def squeezes():
     over 2 processes: blocks of one entry; 3 over 2: 2 and 1): (dim,
     arguments, placements, error against the plain tensor)."""
     mesh = _mesh_1d()
-    plain = torch.randn(1, 2, 3, 1, 4, generator=torch.Generator().manual_seed(0))
+    plain = torch.randn(
+        1, 2, 3, 1, 4, generator=torch.Generator().manual_seed(0)
+    )
     results = []
     for shard_dim in (1, 2, 4):
         sharded = distribute_tensor(plain, mesh, [Shard(shard_dim)])
@@ -363,8 +460,14 @@ def squeezes():
             got = torch.squeeze(sharded, *args)
             want = torch.squeeze(plain, *args)
             full = got.full_tensor()
-            error = float((full - want).abs().max()) if full.shape == want.shape else float("inf")
-            results.append((shard_dim, args, repr(tuple(got.placements)), error))
+            error = (
+                float((full - want).abs().max())
+                if full.shape == want.shape
+                else float("inf")
+            )
+            results.append(
+                (shard_dim, args, repr(tuple(got.placements)), error)
+            )
     return results
 
 

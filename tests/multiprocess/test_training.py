@@ -21,10 +21,16 @@ def _model(optimizer="adam", accumulation=None):
     outputs = keras.layers.Dense(OUTPUTS, name="out")(hidden)
     model = keras.Model(inputs, outputs)
     if optimizer == "adam":
-        opt = keras.optimizers.Adam(0.01, gradient_accumulation_steps=accumulation)
+        opt = keras.optimizers.Adam(
+            0.01, gradient_accumulation_steps=accumulation
+        )
     else:
-        opt = keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=accumulation)
-    model.compile(opt, "mse", metrics=["mae", keras.metrics.RootMeanSquaredError()])
+        opt = keras.optimizers.SGD(
+            0.05, momentum=0.9, gradient_accumulation_steps=accumulation
+        )
+    model.compile(
+        opt, "mse", metrics=["mae", keras.metrics.RootMeanSquaredError()]
+    )
     return model
 
 
@@ -43,7 +49,9 @@ def _inputs(kind, x, y, batch_size):
     if kind == "numpy":
         return (x, y), {"batch_size": batch_size}
     if kind == "torch":
-        return (torch.as_tensor(x), torch.as_tensor(y)), {"batch_size": batch_size}
+        return (torch.as_tensor(x), torch.as_tensor(y)), {
+            "batch_size": batch_size
+        }
     if kind == "dict":
         return ({"features": x}, y), {"batch_size": batch_size}
     if kind == "pydataset":
@@ -60,8 +68,15 @@ def _inputs(kind, x, y, batch_size):
     raise ValueError(kind)
 
 
-def train(kind, optimizer="adam", shuffle=False, inputs="numpy", accumulation=None,
-          epochs=2, batch_size=16):
+def train(
+    kind,
+    optimizer="adam",
+    shuffle=False,
+    inputs="numpy",
+    accumulation=None,
+    epochs=2,
+    batch_size=16,
+):
     """Train; return weights, history, evaluate and predict results."""
     import keras
 
@@ -69,7 +84,9 @@ def train(kind, optimizer="adam", shuffle=False, inputs="numpy", accumulation=No
     model = _model(optimizer, accumulation)
     x, y = _data()
     args, kwargs = _inputs(inputs, x, y, batch_size)
-    history = model.fit(*args, epochs=epochs, shuffle=shuffle, verbose=0, **kwargs)
+    history = model.fit(
+        *args, epochs=epochs, shuffle=shuffle, verbose=0, **kwargs
+    )
     evaluation = model.evaluate(x, y, batch_size=batch_size, verbose=0)
     predictions = model.predict(x, batch_size=batch_size, verbose=0)
     weights = [np.asarray(v) for v in model.weights]
@@ -85,7 +102,9 @@ def _reference(**kwargs):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_data_parallel_fit_matches_one_process(pool2, optimizer, shuffle):
     results = pool2.run(train, "dp", optimizer=optimizer, shuffle=shuffle)
-    assert_same_training(results, _reference(optimizer=optimizer, shuffle=shuffle))
+    assert_same_training(
+        results, _reference(optimizer=optimizer, shuffle=shuffle)
+    )
 
 
 def test_model_parallel_fit_matches_one_process(pool2):
@@ -105,8 +124,12 @@ def test_input_kinds_match_one_process(pool2, inputs):
 
 
 def test_gradient_accumulation_matches_one_process(pool2):
-    results = pool2.run(train, "dp", optimizer="sgd", accumulation=2, batch_size=8)
-    assert_same_training(results, _reference(optimizer="sgd", accumulation=2, batch_size=8))
+    results = pool2.run(
+        train, "dp", optimizer="sgd", accumulation=2, batch_size=8
+    )
+    assert_same_training(
+        results, _reference(optimizer="sgd", accumulation=2, batch_size=8)
+    )
 
 
 def indivisible_batch():
@@ -123,7 +146,10 @@ def indivisible_batch():
 def test_indivisible_global_batch_is_an_error(pool2):
     messages = pool2.run(indivisible_batch)
     for message in messages:
-        assert message is not None and "batch_size=15 is the global batch" in message
+        assert (
+            message is not None
+            and "batch_size=15 is the global batch" in message
+        )
         assert "divisible by the 2 data-parallel replicas" in message
 
 
@@ -135,7 +161,9 @@ def dataloader_steps():
     set_distribution("dp")
     model = _model("sgd")
     x, y = _data()
-    dataset = torch.utils.data.TensorDataset(torch.as_tensor(x), torch.as_tensor(y))
+    dataset = torch.utils.data.TensorDataset(
+        torch.as_tensor(x), torch.as_tensor(y)
+    )
     loader = torch.utils.data.DataLoader(dataset, batch_size=8)  # 9 batches
     seen = []
 
@@ -160,8 +188,12 @@ def early_stopping():
     set_distribution("dp")
     model = _model()
     x, y = _data()
-    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)
-    history = model.fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[stop])
+    stop = keras.callbacks.EarlyStopping(
+        monitor="loss", patience=0, min_delta=10.0
+    )
+    history = model.fit(
+        x, y, batch_size=16, epochs=5, verbose=0, callbacks=[stop]
+    )
     return len(history.history["loss"])
 
 
@@ -180,9 +212,19 @@ def train_with_validation(kind, how):
         extra = {"validation_data": (x[:24], y[:24])}
     else:
         extra = {"validation_split": 0.25}
-    reduce_lr = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=0, factor=0.5)
-    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False,
-                        callbacks=[reduce_lr], **extra)
+    reduce_lr = keras.callbacks.ReduceLROnPlateau(
+        monitor="val_loss", patience=0, factor=0.5
+    )
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=3,
+        verbose=0,
+        shuffle=False,
+        callbacks=[reduce_lr],
+        **extra,
+    )
     keras.distribution.set_distribution(None)
     return history.history, [np.asarray(v) for v in model.weights]
 
@@ -194,6 +236,8 @@ def test_validation_and_reduce_lr_match_one_process(pool2, how):
         assert history.keys() == ref_history.keys()
         assert "val_loss" in history and "learning_rate" in history
         for key in ref_history:
-            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4, atol=2e-5)
+            np.testing.assert_allclose(
+                history[key], ref_history[key], rtol=1e-4, atol=2e-5
+            )
         for w, r in zip(weights, ref_weights):
             np.testing.assert_allclose(w, r, rtol=1e-4, atol=2e-5)

@@ -55,14 +55,24 @@ def _fit_llama(shard_reverse, checkpoint_dir=None):
     if shard_reverse:
         layout_map["token_embedding/reverse_embeddings"] = (None, "batch")
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
-        num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
     model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     ids = np.random.default_rng(0).integers(1, VOCAB, (ROWS, SEQ + 1))
     x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((ROWS, SEQ), bool)}
     records = _Records()
@@ -80,7 +90,8 @@ def _fit_llama(shard_reverse, checkpoint_dir=None):
     return dict(
         messages=[m for m in records.messages if "whole on every rank" in m],
         local_shape=tuple(reverse.value.to_local().shape)
-        if hasattr(reverse.value, "to_local") else tuple(reverse.value.shape),
+        if hasattr(reverse.value, "to_local")
+        else tuple(reverse.value.shape),
         marked=[row["path"] for row in tables[0] if row.get("left_whole")],
     )
 
@@ -119,4 +130,6 @@ def test_no_warning_when_every_large_variable_is_sharded(pool2, tmp_path):
         assert result["messages"] == []
         assert result["marked"] == []
         assert result["local_shape"] == (16, VOCAB // 2)
-    assert not [row["key"] for row in checkpoint_table(path) if row.get("whole")]
+    assert not [
+        row["key"] for row in checkpoint_table(path) if row.get("whole")
+    ]

@@ -17,14 +17,20 @@ import numpy as np
 import keras_torch_distribution
 
 if "--without-initialize" in sys.argv:
-    print(f"rank={os.environ.get('RANK')} devices={keras.distribution.list_devices()}",
-          flush=True)
+    print(
+        f"rank={os.environ.get('RANK')} devices={keras.distribution.list_devices()}",
+        flush=True,
+    )
 else:
     keras.distribution.initialize()
 keras.distribution.set_distribution(keras.distribution.DataParallel())
 keras.utils.set_random_seed(7)
 model = keras.Sequential(
-    [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)]
+    [
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(2),
+    ]
 )
 model.compile(keras.optimizers.SGD(0.1), "mse")
 rng = np.random.default_rng(0)
@@ -32,7 +38,9 @@ x = rng.normal(size=(64, 6)).astype("float32")
 y = rng.normal(size=(64, 2)).astype("float32")
 history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
 rank = keras_torch_distribution.process_id()
-weights = [float(np.asarray(w, dtype="float64").sum()) for w in model.get_weights()]
+weights = [
+    float(np.asarray(w, dtype="float64").sum()) for w in model.get_weights()
+]
 print(
     f"rank={rank} world={keras.distribution.DataParallel().num_processes} "
     f"losses={[round(v, 6) for v in history.history['loss']]} "

@@ -32,5 +32,7 @@ model.compile("sgd", "mse")
 x = np.ones((64, 4), "float32")
 if sys.argv[1:] == ["stall"] and RANK == 1:
     time.sleep(300)  # stopped by torchrun once rank 0 fails
-model.fit(x, x[:, :2], batch_size=8, epochs=1000, verbose=0, callbacks=[FailOnRank1()])
+model.fit(
+    x, x[:, :2], batch_size=8, epochs=1000, verbose=0, callbacks=[FailOnRank1()]
+)
 print("rank", RANK, "finished training: the failure was not seen", flush=True)

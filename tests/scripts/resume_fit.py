@@ -16,9 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras  # noqa: E402
 
 import keras_torch_distribution  # noqa: E402,F401
-
 from helpers import resume_fit  # noqa: E402
 
 keras.distribution.initialize()
 backup_dir, out, attempt = sys.argv[1:]
-resume_fit(backup_dir, os.path.join(out, f"attempt{attempt}"), kill=attempt == "0")
+resume_fit(
+    backup_dir, os.path.join(out, f"attempt{attempt}"), kill=attempt == "0"
+)

@@ -26,11 +26,13 @@ y = x[:, :4] * 2.0
 
 def make_model():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((16,)),
-        keras.layers.Dense(64, activation="relu", name="hidden"),
-        keras.layers.Dense(4, name="out"),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(64, activation="relu", name="hidden"),
+            keras.layers.Dense(4, name="out"),
+        ]
+    )
     model.compile(keras.optimizers.Adam(1e-2), "mse")
     return model
 
@@ -44,11 +46,23 @@ mesh = keras.distribution.DeviceMesh((len(devices),), ["model"], devices)
 layout_map = keras.distribution.LayoutMap(mesh)
 layout_map[".*hidden/kernel"] = (None, "model")
 layout_map[".*out/kernel"] = ("model", None)
-keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map)
+)
 model = make_model()
-model.fit(x, y, batch_size=32, epochs=2, verbose=0,
-          callbacks=[checkpoint.ShardedCheckpoint(os.path.join(directory, "every-epoch"))])
+model.fit(
+    x,
+    y,
+    batch_size=32,
+    epochs=2,
+    verbose=0,
+    callbacks=[
+        checkpoint.ShardedCheckpoint(os.path.join(directory, "every-epoch"))
+    ],
+)
 ktd.report(model, print_fn=lambda *args: None)
-checkpoint.async_save(model, os.path.join(directory, "at-exit"), extra={"epoch": 2})
+checkpoint.async_save(
+    model, os.path.join(directory, "at-exit"), extra={"epoch": 2}
+)
 if ktd.process_id() == 0:
     print("trained and saved; exiting without .result()", flush=True)

@@ -12,5 +12,8 @@ model.compile("sgd", "mse")
 x = np.arange(64, dtype="float32").reshape(16, 4) / 64
 history = model.fit(x, x[:, :2], batch_size=8, epochs=2, verbose=0)
 rank = keras.distribution.DataParallel().num_processes
-print(f"processes={rank} backend={keras.backend.backend()} "
-      f"loss={history.history['loss'][-1]:.6f}", flush=True)
+print(
+    f"processes={rank} backend={keras.backend.backend()} "
+    f"loss={history.history['loss'][-1]:.6f}",
+    flush=True,
+)

@@ -14,5 +14,8 @@ import keras
 import keras_torch_distribution
 
 keras.distribution.initialize()
-print(f"ready rank={keras_torch_distribution.process_id()} pid={os.getpid()}", flush=True)
+print(
+    f"ready rank={keras_torch_distribution.process_id()} pid={os.getpid()}",
+    flush=True,
+)
 time.sleep(600)

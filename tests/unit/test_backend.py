@@ -5,7 +5,6 @@ These run in the pytest process (KERAS_BACKEND=torch, set by conftest) and
 start no process group, except `one_process_world`, which removes its own.
 """
 
-import os
 
 import keras
 import numpy as np
@@ -20,7 +19,6 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import runtime
-
 
 
 def _keras_backend_distribution_lib():
@@ -122,11 +120,16 @@ def test_environment_check_passes_here():
 
 def test_non_torch_backend_is_refused(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    with pytest.raises(ImportError, match=r"needs the torch backend.*'jax'.*KERAS_BACKEND=torch"):
+    with pytest.raises(
+        ImportError,
+        match=r"needs the torch backend.*'jax'.*KERAS_BACKEND=torch",
+    ):
         _keras.check_environment()
 
 
-@pytest.mark.parametrize("version", ["3.15.0", "3.16.0", "3.20.1", "2.15.0", "4.0.0"])
+@pytest.mark.parametrize(
+    "version", ["3.15.0", "3.16.0", "3.20.1", "2.15.0", "4.0.0"]
+)
 def test_unsupported_keras_version_is_refused(monkeypatch, version):
     monkeypatch.setattr(keras, "__version__", version)
     with pytest.raises(
@@ -175,14 +178,20 @@ def test_devices_in_one_process():
 
 
 def test_unknown_device_type():
-    with pytest.raises(ValueError, match=r"device_type='npu' is not one of 'cpu', 'gpu' or 'tpu'"):
+    with pytest.raises(
+        ValueError,
+        match=r"device_type='npu' is not one of 'cpu', 'gpu' or 'tpu'",
+    ):
         keras.distribution.list_devices("npu")
 
 
 def test_devices_need_initialize_when_launched(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 says.*lacks MASTER_ADDR, "
-                                            r"MASTER_PORT, RANK.*keras.distribution.initialize\("):
+    with pytest.raises(
+        RuntimeError,
+        match=r"WORLD_SIZE=2 says.*lacks MASTER_ADDR, "
+        r"MASTER_PORT, RANK.*keras.distribution.initialize\(",
+    ):
         keras.distribution.list_devices()
 
 
@@ -195,14 +204,20 @@ def test_device_rank(device, rank):
 
 @pytest.mark.parametrize("device", ["tpu:0", "cpu", "cpu:x", "0"])
 def test_device_rank_rejects(device):
-    with pytest.raises(ValueError, match=rf"Device '{device}' is not a device of this package.*list_devices"):
+    with pytest.raises(
+        ValueError,
+        match=rf"Device '{device}' is not a device of this package.*list_devices",
+    ):
         layouts.device_rank(device)
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "soon"])
 def test_timeout_must_be_positive(monkeypatch, text):
     monkeypatch.setenv("KTD_TIMEOUT_SECONDS", text)
-    with pytest.raises(ValueError, match=rf"KTD_TIMEOUT_SECONDS='{text}' is not a positive number"):
+    with pytest.raises(
+        ValueError,
+        match=rf"KTD_TIMEOUT_SECONDS='{text}' is not a positive number",
+    ):
         runtime.timeout_seconds()
 
 
@@ -210,7 +225,9 @@ def test_init_method_parsing():
     from keras_torch_distribution.launch.environments import coordinator_url
 
     assert coordinator_url("10.0.0.1:1234") == "tcp://10.0.0.1:1234"
-    assert coordinator_url("10.0.0.1:1234,10.0.0.2:2345") == "tcp://10.0.0.1:1234"
+    assert (
+        coordinator_url("10.0.0.1:1234,10.0.0.2:2345") == "tcp://10.0.0.1:1234"
+    )
     assert coordinator_url("file:///tmp/x") == "file:///tmp/x"
     assert coordinator_url("localhost") == "tcp://localhost:29500"
     for bad in (":1234", "host:port"):
@@ -222,10 +239,16 @@ def test_initialize_argument_errors(monkeypatch):
     # KTD_SPAWN=0: initialize(num_processes=2) must not start 2 pytest processes.
     monkeypatch.setenv("KTD_SPAWN", "0")
     if dist.is_initialized():
-        pytest.skip("a process group runs in the pytest process; initialize() would return early")
-    with pytest.raises(ValueError, match=r"also needs num_processes and process_id"):
+        pytest.skip(
+            "a process group runs in the pytest process; initialize() would return early"
+        )
+    with pytest.raises(
+        ValueError, match=r"also needs num_processes and process_id"
+    ):
         keras.distribution.initialize(job_addresses="localhost:1")
-    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+    with pytest.raises(
+        ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"
+    ):
         keras.distribution.initialize(
             job_addresses="localhost:1", num_processes=2, process_id=2
         )
@@ -233,11 +256,15 @@ def test_initialize_argument_errors(monkeypatch):
         keras.distribution.initialize(
             job_addresses="a:1,b:2,c:3", num_processes=2, process_id=0
         )
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             r"^initialize\(num_processes=2\) would start 2 local processes, but "
             r"KTD_SPAWN=0 is set. Start the script with `ktd run -n 2 script.py` \(or "
             r"torchrun --nproc-per-node 2\); or give every process "
-            r"job_addresses='host:port' \(process 0's\) and its process_id.$")):
+            r"job_addresses='host:port' \(process 0's\) and its process_id.$"
+        ),
+    ):
         keras.distribution.initialize(num_processes=2)
     assert not dist.is_initialized()
 
@@ -295,17 +322,25 @@ def test_placements_axis_used_twice():
         match=r"use the mesh axis 'model' for dims 0 and 1; a mesh axis can shard only one tensor dim",
     ):
         layouts.placements_for(("model", "model"), ["batch", "model"])
-    with pytest.raises(ValueError, match=r"use the mesh axis 'batch' for dims 0 and 1"):
-        layouts.placements_for((("batch", "model"), "batch"), ["batch", "model"])
+    with pytest.raises(
+        ValueError, match=r"use the mesh axis 'batch' for dims 0 and 1"
+    ):
+        layouts.placements_for(
+            (("batch", "model"), "batch"), ["batch", "model"]
+        )
 
 
 def test_placements_axes_out_of_mesh_order():
-    with pytest.raises(ValueError, match=r"out of the mesh's axis order \['batch', 'model'\]"):
+    with pytest.raises(
+        ValueError, match=r"out of the mesh's axis order \['batch', 'model'\]"
+    ):
         layouts.placements_for((("model", "batch"), None), ["batch", "model"])
 
 
 def test_check_rank_message():
-    layout = layouts.TorchLayout(mesh=None, placements=(Shard(0),), axes=("batch", None))
+    layout = layouts.TorchLayout(
+        mesh=None, placements=(Shard(0),), axes=("batch", None)
+    )
     with pytest.raises(
         ValueError,
         match=r"Layout axes \('batch', None\) have 2 entries, but the tensor has shape \(4,\) \(rank 1\)",
@@ -318,7 +353,11 @@ def test_mesh_key_is_configuration():
     a = keras.distribution.DeviceMesh((1,), ["batch"], devices)
     b = keras.distribution.DeviceMesh((1,), ["batch"], devices)
     c = keras.distribution.DeviceMesh((1,), ["model"], devices)
-    assert layouts.mesh_key(a) == layouts.mesh_key(b) == ((1,), ("batch",), ("cpu:0",))
+    assert (
+        layouts.mesh_key(a)
+        == layouts.mesh_key(b)
+        == ((1,), ("batch",), ("cpu:0",))
+    )
     assert layouts.mesh_key(a) != layouts.mesh_key(c)
 
 
@@ -331,12 +370,18 @@ def test_contiguous_stride():
 
 def test_layout_without_mesh_is_refused():
     layout = keras.distribution.TensorLayout(("batch", None))
-    with pytest.raises(ValueError, match=r"TensorLayout axes=\('batch', None\) has no device mesh"):
+    with pytest.raises(
+        ValueError,
+        match=r"TensorLayout axes=\('batch', None\) has no device mesh",
+    ):
         layouts.to_torch_layout(layout)
 
 
 def test_distribute_tensor_refuses_non_layout():
-    with pytest.raises(ValueError, match=r"layout=\('batch',\) is not a keras.distribution.TensorLayout"):
+    with pytest.raises(
+        ValueError,
+        match=r"layout=\('batch',\) is not a keras.distribution.TensorLayout",
+    ):
         distribution_lib.distribute_tensor(torch.zeros(2), ("batch",))
 
 
@@ -353,7 +398,9 @@ def test_device_mesh():
     assert mesh.devices.tolist() == ["cpu:0"]
     mesh2 = keras.distribution.DeviceMesh((1, 1), ["batch", "model"])
     assert mesh2.devices.shape == (1, 1)
-    with pytest.raises(ValueError, match="Shape does not match the number of devices"):
+    with pytest.raises(
+        ValueError, match="Shape does not match the number of devices"
+    ):
         keras.distribution.DeviceMesh((2,), ["batch"], devices)
 
 
@@ -385,7 +432,9 @@ def test_data_parallel():
     assert dp.data_shard_id == 0
     layout = dp.get_data_layout((8, 3))
     assert layout.axes == ("batch", None)
-    dp2 = keras.distribution.DataParallel(devices=keras.distribution.list_devices())
+    dp2 = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices()
+    )
     assert dp2.device_mesh.devices.tolist() == ["cpu:0"]
     mesh = keras.distribution.DeviceMesh((1,), ["data"])
     dp3 = keras.distribution.DataParallel(device_mesh=mesh)
@@ -398,14 +447,18 @@ def test_model_parallel():
     mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[r".*kernel"] = (None, "model")
-    mp = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    mp = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
     assert mp.device_mesh is mesh
     assert mp.num_model_replicas == 1
     assert mp.num_processes == 1
     assert mp.get_tensor_layout("dense/kernel").axes == (None, "model")
     mp2 = keras.distribution.ModelParallel(layout_map=layout_map)
     assert mp2.batch_dim_name == "batch"
-    with pytest.raises(ValueError, match="You must specify a layout_map argument"):
+    with pytest.raises(
+        ValueError, match="You must specify a layout_map argument"
+    ):
         keras.distribution.ModelParallel()
 
 
@@ -441,7 +494,10 @@ def test_one_process_distribute_tensor(one_process_world):
     assert dist.is_initialized() and dist.get_world_size() == 1
     assert tuple(value.placements) == (Shard(0),)
     np.testing.assert_array_equal(value.full_tensor().numpy(), full)
-    assert mesh.backend_mesh is keras.distribution.DeviceMesh((1,), ["batch"]).backend_mesh
+    assert (
+        mesh.backend_mesh
+        is keras.distribution.DeviceMesh((1,), ["batch"]).backend_mesh
+    )
 
 
 def test_variable_numpy():

@@ -27,7 +27,9 @@ def test_incomplete_and_foreign_paths_are_refused(tmp_path):
         checkpoint.load(model, tmp_path / "ckpt")
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "notes.txt").write_text("mine")
-    with pytest.raises(checkpoint.NotACheckpointError, match="is not a complete checkpoint"):
+    with pytest.raises(
+        checkpoint.NotACheckpointError, match="is not a complete checkpoint"
+    ):
         checkpoint.load(model, tmp_path / "plain")
     with pytest.raises(FileExistsError, match="exists and is not a checkpoint"):
         checkpoint.save(model, tmp_path / "plain")
@@ -38,7 +40,9 @@ def test_incomplete_and_foreign_paths_are_refused(tmp_path):
     checkpoint.save(model, tmp_path / "ckpt")
     assert checkpoint.is_checkpoint(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt.incomplete").exists()
-    unbuilt = __import__("keras").Sequential([__import__("keras").layers.Dense(2)])
+    unbuilt = __import__("keras").Sequential(
+        [__import__("keras").layers.Dense(2)]
+    )
     with pytest.raises(ValueError, match="is not built"):
         checkpoint.load(unbuilt, tmp_path / "ckpt")
 
@@ -56,7 +60,10 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
     with open(path / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     record_file(str(path), ".metadata")
-    with pytest.raises(checkpoint.UnsafeCheckpointError, match="not one of the checkpoint's files"):
+    with pytest.raises(
+        checkpoint.UnsafeCheckpointError,
+        match="not one of the checkpoint's files",
+    ):
         checkpoint.load(checkpoint_model(), path)
 
 
@@ -76,7 +83,9 @@ def test_missing_file_is_named_and_unwritable_folder_is_a_write_error(tmp_path):
     target = tmp_path / "file" / "ckpt"
     with pytest.raises(checkpoint.CheckpointWriteError) as error:
         checkpoint.save(model, target)
-    assert str(target) in str(error.value) and "NotADirectoryError" in str(error.value)
+    assert str(target) in str(error.value) and "NotADirectoryError" in str(
+        error.value
+    )
     assert "Choose a folder this job can write to" in str(error.value)
 
 
@@ -99,7 +108,9 @@ def test_a_failed_save_leaves_no_incomplete_folder(tmp_path, monkeypatch):
         return real_open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(_dcp, "_open", failing_open)
-    with pytest.raises(checkpoint.CheckpointWriteError, match="No space left on device"):
+    with pytest.raises(
+        checkpoint.CheckpointWriteError, match="No space left on device"
+    ):
         checkpoint.save(model, tmp_path / "ckpt")
     assert calls
     assert not (tmp_path / "ckpt.incomplete").exists()

@@ -20,7 +20,11 @@ def test_buckets_split_by_dtype_and_size_in_order_of_completion():
 
 
 def test_buckets_without_limit_one_per_dtype():
-    tensors = [torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(5)]
+    tensors = [
+        torch.zeros(3),
+        torch.zeros(2, dtype=torch.float64),
+        torch.zeros(5),
+    ]
     found = collectives.buckets(tensors, bucket_bytes=None)
     assert [len(b) for b in found] == [1, 2]
     assert found[0][0].dtype == torch.float64
@@ -49,12 +53,19 @@ def test_unscaled_tensors_ride_in_the_last_bucket_of_their_kind(monkeypatch):
     gradients' last float32 bucket, not scaled; no collective of their own."""
     calls = []
     monkeypatch.setattr(
-        collectives.dist, "all_reduce",
+        collectives.dist,
+        "all_reduce",
         lambda flat, group=None, async_op=False: calls.append(flat.numel()),
     )
-    grads = [torch.ones(1024), torch.ones(1024), torch.ones(8, dtype=torch.float16)]
+    grads = [
+        torch.ones(1024),
+        torch.ones(1024),
+        torch.ones(8, dtype=torch.float16),
+    ]
     states = [torch.full((2,), 3.0)]
-    collectives.all_reduce(grads, None, scale=0.5, bucket_bytes=4096, unscaled=states)
+    collectives.all_reduce(
+        grads, None, scale=0.5, bucket_bytes=4096, unscaled=states
+    )
     # float32 cut after each 4 KiB gradient; the states join the second.
     assert calls == [1024, 1026, 8]
     assert torch.equal(grads[0], torch.full((1024,), 0.5))
@@ -62,12 +73,16 @@ def test_unscaled_tensors_ride_in_the_last_bucket_of_their_kind(monkeypatch):
     assert torch.equal(states[0], torch.full((2,), 3.0))
 
 
-def test_unscaled_tensors_without_a_bucket_of_their_kind_get_their_own(monkeypatch):
+def test_unscaled_tensors_without_a_bucket_of_their_kind_get_their_own(
+    monkeypatch,
+):
     calls = []
     monkeypatch.setattr(
-        collectives.dist, "all_reduce",
+        collectives.dist,
+        "all_reduce",
         lambda flat, group=None, async_op=False: calls.append(flat.dtype),
     )
-    collectives.all_reduce([torch.ones(4, dtype=torch.float16)], None,
-                           unscaled=[torch.ones(2)])
+    collectives.all_reduce(
+        [torch.ones(4, dtype=torch.float16)], None, unscaled=[torch.ones(2)]
+    )
     assert calls == [torch.float16, torch.float32]

@@ -19,9 +19,13 @@ from keras_torch_distribution.training import compiled  # noqa: E402
 def forward(monkeypatch):
     """A model's compiled forward whose compiled call raises what the test
     puts in `raising`, and whose eager call returns "eager"."""
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)], name="m")
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(1)], name="m"
+    )
     forward = compiled._CompiledForward(model)
-    monkeypatch.setattr(compiled.boundary, "convert_outputs", lambda *a, **k: "eager")
+    monkeypatch.setattr(
+        compiled.boundary, "convert_outputs", lambda *a, **k: "eager"
+    )
     raising = []
 
     def compiled_call(*args, **kwargs):
@@ -38,18 +42,26 @@ def _wrapped(error):
         try:
             raise error
         except Exception as inner:
-            raise RuntimeError("Exception encountered when calling Sequential.call()") from inner
+            raise RuntimeError(
+                "Exception encountered when calling Sequential.call()"
+            ) from inner
     except RuntimeError as outer:
         return outer
 
 
-@pytest.mark.parametrize("error", [
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-    dist.DistBackendError("NCCL error: unhandled system error"),
-    dist.DistNetworkError("Connection reset by peer"),
-    dist.DistStoreError("Timed out waiting for key"),
-    dist.DistError("watchdog"),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB"
+        ),
+        dist.DistBackendError("NCCL error: unhandled system error"),
+        dist.DistNetworkError("Connection reset by peer"),
+        dist.DistStoreError("Timed out waiting for key"),
+        dist.DistError("watchdog"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 @pytest.mark.parametrize("wrap", [False, True], ids=["raised", "wrapped"])
 def test_out_of_memory_and_distributed_errors_are_raised(forward, error, wrap):
     forward, raising = forward

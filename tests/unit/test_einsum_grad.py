@@ -28,7 +28,9 @@ def fsdp_on(monkeypatch):
 def test_gradients_are_torch_einsums(fsdp_on, equation):
     shapes = EQUATIONS[equation]
     generator = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(s, generator=generator, requires_grad=True) for s in shapes)
+    a, b = (
+        torch.randn(s, generator=generator, requires_grad=True) for s in shapes
+    )
     want = torch.einsum(equation, a, b)
     grad = torch.randn(want.shape, generator=generator)
     want_a, want_b = torch.autograd.grad(want, (a, b), grad)
@@ -41,7 +43,7 @@ def test_gradients_are_torch_einsums(fsdp_on, equation):
 
 
 def test_saves_the_operands_themselves(fsdp_on):
-    """"btnh,nhd->btd": torch.einsum saves a copy of the kernel; ours the
+    """ "btnh,nhd->btd": torch.einsum saves a copy of the kernel; ours the
     kernel (a view of its storage, which fsdp's regathering recognises)."""
     x = torch.randn(1, 8, 4, 16, requires_grad=True)
     kernel = torch.randn(4, 16, 64, requires_grad=True)
@@ -50,7 +52,10 @@ def test_saves_the_operands_themselves(fsdp_on):
         seen = []
 
         def pack(t):
-            seen.append(t.untyped_storage().data_ptr() == kernel.untyped_storage().data_ptr())
+            seen.append(
+                t.untyped_storage().data_ptr()
+                == kernel.untyped_storage().data_ptr()
+            )
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -58,7 +63,9 @@ def test_saves_the_operands_themselves(fsdp_on):
         return seen
 
     assert not any(saved_kernel_storages(torch.einsum))  # a copy
-    ours = saved_kernel_storages(lambda *a: einsum_grad.einsum(torch.einsum, *a))
+    ours = saved_kernel_storages(
+        lambda *a: einsum_grad.einsum(torch.einsum, *a)
+    )
     assert ours.count(True) == 1
 
 
@@ -88,7 +95,12 @@ def test_without_fsdp_variables_keras_einsum_runs(monkeypatch):
     monkeypatch.setattr(gathering.state, "plans_exist", False)
     calls = []
     a, b = torch.randn(2, 3, requires_grad=True), torch.randn(3, 4)
-    einsum_grad.einsum(lambda *args: calls.append(args) or torch.einsum(*args), "ab,bc->ac", a, b)
+    einsum_grad.einsum(
+        lambda *args: calls.append(args) or torch.einsum(*args),
+        "ab,bc->ac",
+        a,
+        b,
+    )
     assert len(calls) == 1
 
 
@@ -107,7 +119,10 @@ def test_keras_einsum_dense_kernel_is_saved_itself(fsdp_on):
     node = out.grad_fn
     assert "_Einsum" in type(node).__name__, node
     saved_x, saved_kernel = node.saved_tensors
-    assert saved_kernel.untyped_storage().data_ptr() == kernel.untyped_storage().data_ptr()
+    assert (
+        saved_kernel.untyped_storage().data_ptr()
+        == kernel.untyped_storage().data_ptr()
+    )
 
 
 # Equations keras_hub and Keras layers use, with operand shapes.
@@ -141,16 +156,26 @@ def test_sharded_dims_first_is_the_same_equation(equation):
         )
         changed += got != equation
         replicated += any(replicate)
-        assert all(r <= s for r, s in zip(replicate, sharded)), (sharded, replicate)
+        assert all(r <= s for r, s in zip(replicate, sharded)), (
+            sharded,
+            replicate,
+        )
         result = torch.einsum(got, *operands)
         if permutation is not None:
             result = result.permute(permutation)
         # The same sums, maybe in another order.
-        torch.testing.assert_close(result, want, rtol=1e-5, atol=1e-5, msg=str((equation, sharded, got)))
+        torch.testing.assert_close(
+            result,
+            want,
+            rtol=1e-5,
+            atol=1e-5,
+            msg=str((equation, sharded, got)),
+        )
         inputs, _, output = got.partition("->")
         kept = [s - r for s, r in zip(sharded, replicate)]
         sharded_labels = [
-            {einsum_grad._dim_labels(part, len(shape))[d] for d in dims} - {None}
+            {einsum_grad._dim_labels(part, len(shape))[d] for d in dims}
+            - {None}
             for part, shape, dims in zip(inputs.split(","), shapes, kept)
         ]
         every = set().union(*sharded_labels)
@@ -165,7 +190,12 @@ def test_sharded_dims_first_is_the_same_equation(equation):
         if len(shapes) == 2 and "." not in got:
             a, b = (set(p) for p in inputs.split(","))
             out = set(output)
-            for kind in (a & b & out, (a & out) - b, (b & out) - a, (a & b) - out):
+            for kind in (
+                a & b & out,
+                (a & out) - b,
+                (b & out) - a,
+                (a & b) - out,
+            ):
                 assert len(kind & every) <= 1, (got, kind, every)
     assert changed, equation
     if equation in ("bquh,uhm->bqm", "btkgh,bskh->bkgts"):
@@ -173,6 +203,10 @@ def test_sharded_dims_first_is_the_same_equation(equation):
 
 
 def test_sharded_dims_first_leaves_what_it_does_not_understand():
-    for equation, ndims in [("ab,bc->ac", [2, 3]), ("ab,bc,cd->ad", [2, 2]), ("aé,éb->ab", [2, 2])]:
+    for equation, ndims in [
+        ("ab,bc->ac", [2, 3]),
+        ("ab,bc,cd->ad", [2, 2]),
+        ("aé,éb->ab", [2, 2]),
+    ]:
         got = einsum_grad.sharded_dims_first(equation, ndims, [{0}, {1}])
         assert got == (equation, None, [set(), set()]), got

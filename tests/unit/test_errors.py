@@ -16,7 +16,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import keras_torch_distribution  # noqa: E402,F401
-
 from helpers import model_parallel  # noqa: E402
 
 
@@ -56,15 +55,21 @@ def _dense_model(units=4):
 
 
 def test_mesh_shape_must_match_its_devices(one_process):
-    with pytest.raises(ValueError, match=r"Shape does not match the number of devices. "
-                       r"Received: shape=\(2,\); devices.shape=\(1,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Shape does not match the number of devices. "
+        r"Received: shape=\(2,\); devices.shape=\(1,\)",
+    ):
         keras.distribution.DeviceMesh((2,), ["model"], one_process)
 
 
 def test_unknown_axis_name_in_layout_map(one_process):
     distribution = model_parallel(one_process, {})
-    with pytest.raises(ValueError, match=r"Invalid axis names for Layout. Valid axis "
-                       r"names: \{'model'\}, Got \{'modle'\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid axis names for Layout. Valid axis "
+        r"names: \{'model'\}, Got \{'modle'\}",
+    ):
         distribution._layout_map[".*kernel"] = (None, "modle")
 
 
@@ -72,9 +77,12 @@ def test_unknown_axis_name_in_a_tensor_layout(one_process):
     # A TensorLayout built without a mesh is checked when it meets one.
     from keras_torch_distribution.distributed import layouts
 
-    with pytest.raises(ValueError, match=r"Layout axes \(None, 'modle'\) name the mesh "
-                       r"axis 'modle', which the mesh does not have; its axes are "
-                       r"\['model'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"Layout axes \(None, 'modle'\) name the mesh "
+        r"axis 'modle', which the mesh does not have; its axes are "
+        r"\['model'\]",
+    ):
         layouts.placements_for((None, "modle"), ["model"])
 
 
@@ -82,25 +90,36 @@ def test_layout_longer_than_variable_rank(one_process):
     keras.distribution.set_distribution(
         model_parallel(one_process, {".*kernel": (None, "model", None)})
     )
-    with pytest.raises(ValueError, match=r"Layout axes \(None, 'model', None\) have 3 "
-                       r"entries, but variable 'net/dense/kernel' has shape \(3, 4\) "
-                       r"\(rank 2\). Give the layout one entry \(an axis name or None\) "
-                       r"per dim, or fewer: a shorter layout lays out the leading dims "
-                       r"and replicates the rest \(e.g. \(None, 'model'\)\)."):
+    with pytest.raises(
+        ValueError,
+        match=r"Layout axes \(None, 'model', None\) have 3 "
+        r"entries, but variable 'net/dense/kernel' has shape \(3, 4\) "
+        r"\(rank 2\). Give the layout one entry \(an axis name or None\) "
+        r"per dim, or fewer: a shorter layout lays out the leading dims "
+        r"and replicates the rest \(e.g. \(None, 'model'\)\).",
+    ):
         _dense_model()
 
 
 def test_two_layout_map_patterns_matching_one_variable(one_process):
-    keras.distribution.set_distribution(model_parallel(
-        one_process, {".*kernel": (None, "model"), ".*dense.*": ("model", None)}
-    ))
-    with pytest.raises(ValueError, match=r"Path 'net/dense/kernel' matches multiple "
-                       r"layout specification keys: \['\.\*kernel', '\.\*dense\.\*'\]"):
+    keras.distribution.set_distribution(
+        model_parallel(
+            one_process,
+            {".*kernel": (None, "model"), ".*dense.*": ("model", None)},
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"Path 'net/dense/kernel' matches multiple "
+        r"layout specification keys: \['\.\*kernel', '\.\*dense\.\*'\]",
+    ):
         _dense_model()
 
 
 def test_model_parallel_needs_a_layout_map(one_process):
-    with pytest.raises(ValueError, match="You must specify a layout_map argument."):
+    with pytest.raises(
+        ValueError, match="You must specify a layout_map argument."
+    ):
         keras.distribution.ModelParallel()
 
 
@@ -119,11 +138,22 @@ def test_bad_timeout_setting(monkeypatch, value):
     )
 
 
-@pytest.mark.parametrize("variable, value, message", [
-    ("KTD_LOG_LEVEL", "loud", r"^KTD_LOG_LEVEL='loud' is not a logging level: set one "
-                              r"of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
-    ("KTD_DEVICE", "tpu", r"^KTD_DEVICE='tpu' is not a device choice: set KTD_DEVICE=cpu"),
-])
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        (
+            "KTD_LOG_LEVEL",
+            "loud",
+            r"^KTD_LOG_LEVEL='loud' is not a logging level: set one "
+            r"of DEBUG, INFO, WARNING, ERROR, CRITICAL",
+        ),
+        (
+            "KTD_DEVICE",
+            "tpu",
+            r"^KTD_DEVICE='tpu' is not a device choice: set KTD_DEVICE=cpu",
+        ),
+    ],
+)
 def test_bad_settings(monkeypatch, variable, value, message):
     from keras_torch_distribution import _env
 
@@ -153,13 +183,19 @@ class _Records:
 
 def test_variable_created_outside_the_distribution_warns_once(one_process):
     model = _dense_model()  # no distribution set: kernel is whole
-    keras.distribution.set_distribution(model_parallel(one_process, {".*kernel": (None, "model")}))
+    keras.distribution.set_distribution(
+        model_parallel(one_process, {".*kernel": (None, "model")})
+    )
     model.compile(keras.optimizers.SGD(0.1), "mse")
     x, y = np.ones((4, 3), "float32"), np.ones((4, 4), "float32")
     with _Records() as records:
         model.fit(x, y, verbose=0)
         model.fit(x, y, verbose=0)
-    messages = [r.getMessage() for r in records if "created with no distribution" in r.getMessage()]
+    messages = [
+        r.getMessage()
+        for r in records
+        if "created with no distribution" in r.getMessage()
+    ]
     assert messages == [
         "Variable 'net/dense/kernel' was created with no distribution set, so it "
         "is whole on every rank, but the current distribution would shard it "

@@ -9,7 +9,14 @@ import torch
 from keras_torch_distribution.fsdp import flat_shards
 
 # (whole shape, sharded dim): even and uneven dims, a rank holding nothing.
-CASES = [((8, 6), 0), ((5, 3), 0), ((4, 7), 1), ((2, 3, 5), 2), ((3,), 0), ((1, 4), 0)]
+CASES = [
+    ((8, 6), 0),
+    ((5, 3), 0),
+    ((4, 7), 1),
+    ((2, 3, 5), 2),
+    ((3,), 0),
+    ((1, 4), 0),
+]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -35,7 +42,10 @@ def test_gather_and_reduce_scatter_round_trip(ranks):
     for rank in range(ranks):
         mine = [shard_of(i, rank) for i in range(len(CASES))]
         layout = flat_shards.FlatLayout(
-            [tuple(s.shape) for s in mine], dims, [w.shape[d] for w, d in zip(wholes, dims)], ranks
+            [tuple(s.shape) for s in mine],
+            dims,
+            [w.shape[d] for w, d in zip(wholes, dims)],
+            ranks,
         )
         flat = torch.zeros(layout.per_rank)
         layout.copy_in(mine, flat)
@@ -48,8 +58,14 @@ def test_gather_and_reduce_scatter_round_trip(ranks):
         torch.testing.assert_close(out, whole, rtol=0, atol=0)
         assert out.is_contiguous()
 
-    grads = [[torch.randn(w.shape, generator=generator) for w in wholes] for _ in range(ranks)]
-    inputs = [layouts[r].scatter_input(grads[r], torch.float32, "cpu") for r in range(ranks)]
+    grads = [
+        [torch.randn(w.shape, generator=generator) for w in wholes]
+        for _ in range(ranks)
+    ]
+    inputs = [
+        layouts[r].scatter_input(grads[r], torch.float32, "cpu")
+        for r in range(ranks)
+    ]
     total = torch.stack(inputs).sum(0)
     summed = [sum(g[i] for g in grads) for i in range(len(wholes))]
     per_rank = layouts[0].per_rank

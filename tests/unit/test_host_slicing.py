@@ -13,17 +13,15 @@ import types
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
 
+from helpers import Allocations  # noqa: E402
 from keras_torch_distribution import _keras  # noqa: E402
 from keras_torch_distribution.distributed import layouts  # noqa: E402
 from keras_torch_distribution.distributed import tensors  # noqa: E402
 from keras_torch_distribution.variables import born_sharded  # noqa: E402
-
-from helpers import Allocations  # noqa: E402
 
 
 class _SecondOfFour:
@@ -42,7 +40,9 @@ class _SecondOfFour:
 def rows_layout(monkeypatch):
     """Rows sharded over 4: this process holds rows [10, 20) of 40. The
     block is returned as it is, not wrapped in a DTensor."""
-    monkeypatch.setattr(tensors, "from_local_block", lambda block, layout, shape: block)
+    monkeypatch.setattr(
+        tensors, "from_local_block", lambda block, layout, shape: block
+    )
     return layouts.TorchLayout(_SecondOfFour(), (Shard(0),), ("model", None))
 
 
@@ -58,7 +58,9 @@ def test_a_numpy_value_is_sliced_on_the_host(rows_layout, monkeypatch):
     monkeypatch.setattr(_keras.torch_core_module, "DEFAULT_DEVICE", "cpu")
     block = tensors.to_layout(VALUE, rows_layout)
     np.testing.assert_array_equal(block.numpy(), VALUE[10:20])
-    assert block.untyped_storage().nbytes() == 10 * 3 * 4  # a copy, not a view of it all
+    assert (
+        block.untyped_storage().nbytes() == 10 * 3 * 4
+    )  # a copy, not a view of it all
 
 
 class _Sharded:
@@ -69,7 +71,9 @@ def _keras_conversion(variable, value, dtype=None):
     return _keras.torch_core_module.convert_to_tensor(value, dtype=dtype)
 
 
-def test_assign_converts_a_value_for_a_sharded_variable_on_the_host(monkeypatch):
+def test_assign_converts_a_value_for_a_sharded_variable_on_the_host(
+    monkeypatch,
+):
     """`assign` converts the new value before `_direct_assign` reshards it:
     for a sharded variable a numpy value becomes a CPU tensor; a plain
     variable's goes to Keras' device as Keras puts it."""
@@ -77,16 +81,24 @@ def test_assign_converts_a_value_for_a_sharded_variable_on_the_host(monkeypatch)
     monkeypatch.setattr(born_sharded, "DTensor", _Sharded)
     sharded = types.SimpleNamespace(_value=_Sharded())
     plain = types.SimpleNamespace(_value=None)
-    value = born_sharded.convert_for_assign(_keras_conversion, sharded, VALUE, dtype="bfloat16")
+    value = born_sharded.convert_for_assign(
+        _keras_conversion, sharded, VALUE, dtype="bfloat16"
+    )
     assert value.device.type == "cpu" and str(value.dtype) == "torch.bfloat16"
-    assert born_sharded.convert_for_assign(_keras_conversion, plain, VALUE).device.type == "meta"
+    assert (
+        born_sharded.convert_for_assign(
+            _keras_conversion, plain, VALUE
+        ).device.type
+        == "meta"
+    )
 
 
 def test_assign_conversion_is_installed():
     from keras_torch_distribution import _install
 
     assert any(
-        patch.owner is _keras.TorchVariable and patch.name == "_convert_to_tensor"
+        patch.owner is _keras.TorchVariable
+        and patch.name == "_convert_to_tensor"
         and patch.replacement is born_sharded.convert_for_assign
         for patch in _install._installed
     )

@@ -11,9 +11,8 @@ import socket
 
 import pytest
 
-from keras_torch_distribution import launch
-
 from helpers import free_port
+from keras_torch_distribution import launch
 
 # --------------------------------------------------------------------------
 # Arguments handed to torchrun
@@ -23,27 +22,70 @@ _LAUNCH = ["-m", "keras_torch_distribution.launch"]
 
 
 def test_torchrun_arguments_one_node_is_standalone():
-    assert launch.torchrun_arguments(["-n", "2", "train.py", "--lr", "0.1"]) == [
-        "--nproc-per-node", "2", "--standalone", *_LAUNCH, "train.py", "--lr", "0.1"
+    assert launch.torchrun_arguments(
+        ["-n", "2", "train.py", "--lr", "0.1"]
+    ) == [
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        *_LAUNCH,
+        "train.py",
+        "--lr",
+        "0.1",
     ]
-    assert launch.torchrun_arguments(["-n=2", "--nnodes=1", "--max-restarts", "1",
-                                      "train.py"]) == [
-        "--nproc-per-node=2", "--nnodes=1", "--max-restarts", "1", "--standalone",
-        *_LAUNCH, "train.py",
+    assert launch.torchrun_arguments(
+        ["-n=2", "--nnodes=1", "--max-restarts", "1", "train.py"]
+    ) == [
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        "--max-restarts",
+        "1",
+        "--standalone",
+        *_LAUNCH,
+        "train.py",
     ]
     # A flag (no value) before the script is not mistaken for taking it.
-    assert launch.torchrun_arguments(["--virtual-local-rank", "-n", "2", "t.py"]) == [
-        "--virtual-local-rank", "--nproc-per-node", "2", "--standalone", *_LAUNCH, "t.py"
+    assert launch.torchrun_arguments(
+        ["--virtual-local-rank", "-n", "2", "t.py"]
+    ) == [
+        "--virtual-local-rank",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        *_LAUNCH,
+        "t.py",
     ]
 
 
 def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
-    argv = ["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", "127.0.0.1:29400", "-n", "1", "train.py", "-x"]
+    argv = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:29400",
+        "-n",
+        "1",
+        "train.py",
+        "-x",
+    ]
     assert launch.torchrun_arguments(argv) == [
-        "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "127.0.0.1:29400", "--nproc-per-node", "1",
-        *_LAUNCH, "train.py", "-x",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:29400",
+        "--nproc-per-node",
+        "1",
+        *_LAUNCH,
+        "train.py",
+        "-x",
     ]
     # One node at a given address (static rendezvous): no --standalone either.
     assert "--standalone" not in launch.torchrun_arguments(
@@ -51,17 +93,32 @@ def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
     )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-n", "2"], r"give a script to run, e.g. `ktd run -n 2 train.py`"),
-    (["-n"], r"option --nproc-per-node needs a value"),
-    (["-m", "pkg.train"], r"torchrun's -m is not supported: `ktd run` runs a Python script"),
-    (["--no-python", "echo"], r"torchrun's --no-python is not supported"),
-    (["-n", "0", "t.py"], r"^ktd run: -n 0 is not a number of processes per node: give a "
-                          r"whole number of at least 1, e.g. `ktd run -n 2 train.py` \(or "
-                          r"one of torchrun's auto, cpu, gpu, xpu\).$"),
-    (["-n", "-1", "t.py"], r"^ktd run: -n -1 is not a number of processes per node"),
-    (["--nproc-per-node=two", "t.py"], r"^ktd run: --nproc-per-node two is not a number"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "2"], r"give a script to run, e.g. `ktd run -n 2 train.py`"),
+        (["-n"], r"option --nproc-per-node needs a value"),
+        (
+            ["-m", "pkg.train"],
+            r"torchrun's -m is not supported: `ktd run` runs a Python script",
+        ),
+        (["--no-python", "echo"], r"torchrun's --no-python is not supported"),
+        (
+            ["-n", "0", "t.py"],
+            r"^ktd run: -n 0 is not a number of processes per node: give a "
+            r"whole number of at least 1, e.g. `ktd run -n 2 train.py` \(or "
+            r"one of torchrun's auto, cpu, gpu, xpu\).$",
+        ),
+        (
+            ["-n", "-1", "t.py"],
+            r"^ktd run: -n -1 is not a number of processes per node",
+        ),
+        (
+            ["--nproc-per-node=two", "t.py"],
+            r"^ktd run: --nproc-per-node two is not a number",
+        ),
+    ],
+)
 def test_torchrun_arguments_errors(argv, message):
     with pytest.raises(SystemExit, match=message):
         launch.torchrun_arguments(argv)
@@ -77,15 +134,23 @@ def no_launch(monkeypatch):
 
     monkeypatch.setattr(torch_run, "main", must_not_start)
     monkeypatch.setenv("KERAS_BACKEND", "torch")  # run() sets it when unset
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    monkeypatch.setenv(
+        "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1")
+    )
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "1e30", "abc", "-5"])
-def test_bad_timeout_setting_is_refused_before_ranks_start(no_launch, monkeypatch, value):
+def test_bad_timeout_setting_is_refused_before_ranks_start(
+    no_launch, monkeypatch, value
+):
     monkeypatch.setenv("KTD_TIMEOUT_SECONDS", value)
-    with pytest.raises(SystemExit, match=(
-        rf"^ktd run: KTD_TIMEOUT_SECONDS='{value}' is not a positive number of seconds "
-        r"up to 604800 \(one week\).*Set it to a number in \(0, 604800\]")):
+    with pytest.raises(
+        SystemExit,
+        match=(
+            rf"^ktd run: KTD_TIMEOUT_SECONDS='{value}' is not a positive number of seconds "
+            r"up to 604800 \(one week\).*Set it to a number in \(0, 604800\]"
+        ),
+    ):
         launch.run(["-n", "2", "train.py"])
 
 
@@ -114,8 +179,16 @@ def _port_in_use_message(port):
 
 def test_a_held_master_port_is_refused_before_ranks_start(no_launch):
     with _HeldPort() as port:
-        for argv in (["--master-port", str(port), "-n", "2", "t.py"],
-                     ["--master-addr=127.0.0.1", f"--master_port={port}", "-n", "2", "t.py"]):
+        for argv in (
+            ["--master-port", str(port), "-n", "2", "t.py"],
+            [
+                "--master-addr=127.0.0.1",
+                f"--master_port={port}",
+                "-n",
+                "2",
+                "t.py",
+            ],
+        ):
             with pytest.raises(SystemExit, match=_port_in_use_message(port)):
                 launch.run(argv)
 
@@ -141,8 +214,19 @@ def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
     seen = []
     monkeypatch.setattr(torch_run, "main", seen.append)
     with _HeldPort() as held:
-        launch.run(["--master-port", str(held), "--nnodes", "2", "--node-rank", "1",
-                    "-n", "1", "t.py"])
+        launch.run(
+            [
+                "--master-port",
+                str(held),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "-n",
+                "1",
+                "t.py",
+            ]
+        )
     assert len(seen) == 1
 
 
@@ -170,10 +254,24 @@ def _failure(tmp_path, local_rank, exitcode, timestamp, message=None):
     error_file = str(tmp_path / f"error_{local_rank}.json")
     if message is not None:
         with open(error_file, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {
-                "py_callstack": "Traceback ...", "timestamp": str(timestamp)}}}, f)
-    failure = ProcessFailure(local_rank=local_rank, pid=1000 + local_rank,
-                             exitcode=exitcode, error_file=error_file)
+            json.dump(
+                {
+                    "message": {
+                        "message": message,
+                        "extraInfo": {
+                            "py_callstack": "Traceback ...",
+                            "timestamp": str(timestamp),
+                        },
+                    }
+                },
+                f,
+            )
+    failure = ProcessFailure(
+        local_rank=local_rank,
+        pid=1000 + local_rank,
+        exitcode=exitcode,
+        error_file=error_file,
+    )
     failure.timestamp = timestamp  # a rank without a file: when torchrun saw it
     return failure
 
@@ -233,25 +331,47 @@ def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
     # Two ranks that both lost a peer: the earlier one.
     late = _failure(tmp_path, 4, 1, 105, _LOST_PEER)
     early = _failure(tmp_path, 5, 1, 104, _LOST_PEER)
-    assert launch.failure_summary({4: late, 5: early}).startswith("ktd run: rank 5 ")
+    assert launch.failure_summary({4: late, 5: early}).startswith(
+        "ktd run: rank 5 "
+    )
 
 
-@pytest.mark.parametrize("signal_name, meaning", [
-    ("SIGXFSZ", "The file-size limit (`ulimit -f`) was hit while it wrote a file (a "
-                "checkpoint, a log): raise or lift that limit, or write less, e.g. to "
-                "another directory. It left no traceback."),
-    ("SIGBUS", "Memory it had mapped went away: shared memory or a memory-mapped file was "
-               "full or truncated, most often /dev/shm (a container's small --shm-size; see "
-               "`df -h /dev/shm`). It left no traceback."),
-    ("SIGXCPU", "Its CPU-time limit (`ulimit -t`, or a scheduler's) ran out: raise the "
-                "limit. It left no traceback."),
-    ("SIGABRT", "Native code aborted it (a failed C++ check, or `terminate called ...`); its "
-                "last output above says why. It left no traceback."),
-    ("SIGTERM", "It was killed from outside Python (the kernel's out-of-memory killer: see "
-                "`dmesg`; a scheduler's time or memory limit; or `kill`), so it left no "
-                "traceback."),
-])
-def test_failure_summary_says_what_a_signal_means(tmp_path, signal_name, meaning):
+@pytest.mark.parametrize(
+    "signal_name, meaning",
+    [
+        (
+            "SIGXFSZ",
+            "The file-size limit (`ulimit -f`) was hit while it wrote a file (a "
+            "checkpoint, a log): raise or lift that limit, or write less, e.g. to "
+            "another directory. It left no traceback.",
+        ),
+        (
+            "SIGBUS",
+            "Memory it had mapped went away: shared memory or a memory-mapped file was "
+            "full or truncated, most often /dev/shm (a container's small --shm-size; see "
+            "`df -h /dev/shm`). It left no traceback.",
+        ),
+        (
+            "SIGXCPU",
+            "Its CPU-time limit (`ulimit -t`, or a scheduler's) ran out: raise the "
+            "limit. It left no traceback.",
+        ),
+        (
+            "SIGABRT",
+            "Native code aborted it (a failed C++ check, or `terminate called ...`); its "
+            "last output above says why. It left no traceback.",
+        ),
+        (
+            "SIGTERM",
+            "It was killed from outside Python (the kernel's out-of-memory killer: see "
+            "`dmesg`; a scheduler's time or memory limit; or `kill`), so it left no "
+            "traceback.",
+        ),
+    ],
+)
+def test_failure_summary_says_what_a_signal_means(
+    tmp_path, signal_name, meaning
+):
     """A rank killed by a signal that names its cause is not called a crash
     in native code: the summary says what was hit and the fix."""
     number = getattr(signal, signal_name)
@@ -261,5 +381,8 @@ def test_failure_summary_says_what_a_signal_means(tmp_path, signal_name, meaning
         f"-{int(number)}). {meaning} torchrun stopped the other processes."
     )
     # The processes initialize() starts are named as that launcher's.
-    assert launch.failure_summary({1: killed}, launcher="keras.distribution.initialize()") \
-        .startswith("keras.distribution.initialize(): rank 1 (local rank 1) died first")
+    assert launch.failure_summary(
+        {1: killed}, launcher="keras.distribution.initialize()"
+    ).startswith(
+        "keras.distribution.initialize(): rank 1 (local rank 1) died first"
+    )

@@ -31,7 +31,9 @@ def root_handler():
 
 def test_records_reach_the_applications_handlers_once(root_handler, capsys):
     logger.warning("checking %s", "propagation")
-    assert [r.getMessage() for r in root_handler.records] == ["checking propagation"]
+    assert [r.getMessage() for r in root_handler.records] == [
+        "checking propagation"
+    ]
     assert root_handler.records[0].rank == 0
     assert "checking propagation" not in capsys.readouterr().err
 

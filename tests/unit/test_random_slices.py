@@ -19,7 +19,9 @@ from keras_torch_distribution.distributed import replicas  # noqa: E402
 
 @pytest.fixture(params=[False, True], ids=["chunked", "at-once"])
 def at_once(request, monkeypatch):
-    monkeypatch.setattr(random_slices, "draws_at_once", lambda device: request.param)
+    monkeypatch.setattr(
+        random_slices, "draws_at_once", lambda device: request.param
+    )
     return request.param
 
 
@@ -45,30 +47,51 @@ def _saved_by(function, inputs):
 
 
 def _never_called(*args, **kwargs):
-    raise AssertionError("Keras' own dropout ran: the replica's draw was not made")
+    raise AssertionError(
+        "Keras' own dropout ran: the replica's draw was not made"
+    )
 
 
-def test_unseeded_mask_is_this_replicas_rows_and_only_them(at_once, second_replica_of_four):
+def test_unseeded_mask_is_this_replicas_rows_and_only_them(
+    at_once, second_replica_of_four
+):
     global_rows, first, rows = second_replica_of_four
     x = torch.randn(rows, 1000, requires_grad=True)
     torch.manual_seed(7)
-    output, saved = _saved_by(lambda t: random_slices.dropout(_never_called, t, 0.25), x)
+    output, saved = _saved_by(
+        lambda t: random_slices.dropout(_never_called, t, 0.25), x
+    )
     torch.manual_seed(7)  # one process's draw for the global batch
-    expected = torch.empty(global_rows, 1000).bernoulli_(0.75).div_(0.75)[first:first + rows]
+    expected = (
+        torch.empty(global_rows, 1000)
+        .bernoulli_(0.75)
+        .div_(0.75)[first : first + rows]
+    )
     torch.testing.assert_close(output, x * expected, rtol=0, atol=0)
     (mask,) = saved
     assert mask.untyped_storage().nbytes() == x.numel() * x.element_size()
 
 
-def test_seeded_mask_is_this_replicas_rows_and_only_them(at_once, second_replica_of_four):
+def test_seeded_mask_is_this_replicas_rows_and_only_them(
+    at_once, second_replica_of_four
+):
     global_rows, first, rows = second_replica_of_four
     x = torch.randn(rows, 1000, requires_grad=True)
     output, saved = _saved_by(
-        lambda t: random_slices.dropout(_never_called, t, 0.25, seed=1234), x)
-    keras_mask = keras.src.backend.torch.random.dropout(
-        torch.ones(global_rows, 1000), 0.25, seed=1234) != 0
-    expected = torch.where(keras_mask[first:first + rows], x / 0.75, torch.zeros_like(x))
+        lambda t: random_slices.dropout(_never_called, t, 0.25, seed=1234), x
+    )
+    keras_mask = (
+        keras.src.backend.torch.random.dropout(
+            torch.ones(global_rows, 1000), 0.25, seed=1234
+        )
+        != 0
+    )
+    expected = torch.where(
+        keras_mask[first : first + rows], x / 0.75, torch.zeros_like(x)
+    )
     torch.testing.assert_close(output, expected, rtol=0, atol=0)
     masks = [t for t in saved if t.dtype == torch.bool]
     assert len(masks) == 1
-    assert masks[0].untyped_storage().nbytes() == x.numel()  # one byte per value
+    assert (
+        masks[0].untyped_storage().nbytes() == x.numel()
+    )  # one byte per value

@@ -15,9 +15,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
-from keras_torch_distribution.distributed import runtime  # noqa: E402
-
 from helpers import LAUNCHER_VARIABLES  # noqa: E402
+from keras_torch_distribution.distributed import runtime  # noqa: E402
 
 
 class _Stop(RuntimeError):
@@ -40,49 +39,75 @@ def torch_start(monkeypatch):
 
     calls.init_process_group.side_effect = _Stop
     monkeypatch.setattr(runtime.dist, "rendezvous", rendezvous)
-    monkeypatch.setattr(runtime.dist, "init_process_group", calls.init_process_group)
+    monkeypatch.setattr(
+        runtime.dist, "init_process_group", calls.init_process_group
+    )
     return calls, store
 
 
 _SEVEN_SECONDS = datetime.timedelta(seconds=7)
 
 
-@pytest.mark.parametrize("job_addresses, num_processes, url", [
-    ("10.0.0.1:1234", 2, "tcp://10.0.0.1:1234"),
-    ("10.0.0.1:1234,10.0.0.2:1234", 2, "tcp://10.0.0.1:1234"),
-    ("node-a", 2, "tcp://node-a:29500"),  # no port: torchrun's default
-    ("[::1]", 2, "tcp://[::1]:29500"),
-    ("[::1]:1234", 2, "tcp://[::1]:1234"),
-    ("fe80::1", 2, "tcp://[fe80::1]:29500"),
-    ("tcp://10.0.0.1:1234", 2, "tcp://10.0.0.1:1234"),
-    ("file:///tmp/ktd-rendezvous", 2, "file:///tmp/ktd-rendezvous"),
-])
+@pytest.mark.parametrize(
+    "job_addresses, num_processes, url",
+    [
+        ("10.0.0.1:1234", 2, "tcp://10.0.0.1:1234"),
+        ("10.0.0.1:1234,10.0.0.2:1234", 2, "tcp://10.0.0.1:1234"),
+        ("node-a", 2, "tcp://node-a:29500"),  # no port: torchrun's default
+        ("[::1]", 2, "tcp://[::1]:29500"),
+        ("[::1]:1234", 2, "tcp://[::1]:1234"),
+        ("fe80::1", 2, "tcp://[fe80::1]:29500"),
+        ("tcp://10.0.0.1:1234", 2, "tcp://10.0.0.1:1234"),
+        ("file:///tmp/ktd-rendezvous", 2, "file:///tmp/ktd-rendezvous"),
+    ],
+)
 def test_initialize_hands_torch_the_coordinator_and_the_timeout(
-        torch_start, job_addresses, num_processes, url):
+    torch_start, job_addresses, num_processes, url
+):
     calls, store = torch_start
-    with pytest.raises(RuntimeError, match=r"could not start process 1 of 2 at "):
+    with pytest.raises(
+        RuntimeError, match=r"could not start process 1 of 2 at "
+    ):
         keras.distribution.initialize(job_addresses, num_processes, 1)
     assert calls.mock_calls == [
         mock.call.rendezvous(url, 1, 2, timeout=_SEVEN_SECONDS),
-        mock.call.init_process_group(backend="gloo", store=store, world_size=2, rank=1,
-                                     timeout=_SEVEN_SECONDS),
+        mock.call.init_process_group(
+            backend="gloo",
+            store=store,
+            world_size=2,
+            rank=1,
+            timeout=_SEVEN_SECONDS,
+        ),
     ]
     store.set_timeout.assert_called_once_with(_SEVEN_SECONDS)
 
 
 def test_initialize_from_the_launcher_environment(torch_start, monkeypatch):
     calls, store = torch_start
-    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
-                       "MASTER_PORT": "1234"}.items():
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "1234",
+    }.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(RuntimeError, match=(
+    with pytest.raises(
+        RuntimeError,
+        match=(
             r"could not start process 1 of 2 at env:// \(MASTER_ADDR='10.0.0.1', "
-            r"MASTER_PORT='1234'\) within KTD_TIMEOUT_SECONDS=7 s")):
+            r"MASTER_PORT='1234'\) within KTD_TIMEOUT_SECONDS=7 s"
+        ),
+    ):
         keras.distribution.initialize()
     assert calls.mock_calls == [
         mock.call.rendezvous("env://", -1, -1, timeout=_SEVEN_SECONDS),
-        mock.call.init_process_group(backend="gloo", store=store, world_size=-1, rank=-1,
-                                     timeout=_SEVEN_SECONDS),
+        mock.call.init_process_group(
+            backend="gloo",
+            store=store,
+            world_size=-1,
+            rank=-1,
+            timeout=_SEVEN_SECONDS,
+        ),
     ]
 
 
@@ -104,11 +129,18 @@ def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
     # The GPU is current before the group is made, and the group is bound
     # to it (NCCL connects at once; barriers and mesh groups know it).
     assert calls.mock_calls == [
-        mock.call.rendezvous("tcp://10.0.0.1:1234", 3, 4, timeout=_SEVEN_SECONDS),
+        mock.call.rendezvous(
+            "tcp://10.0.0.1:1234", 3, 4, timeout=_SEVEN_SECONDS
+        ),
         mock.call.set_device(1),
-        mock.call.init_process_group(backend="cpu:gloo,cuda:nccl", store=store,
-                                     world_size=4, rank=3, timeout=_SEVEN_SECONDS,
-                                     device_id=runtime.torch.device("cuda", 1)),
+        mock.call.init_process_group(
+            backend="cpu:gloo,cuda:nccl",
+            store=store,
+            world_size=4,
+            rank=3,
+            timeout=_SEVEN_SECONDS,
+            device_id=runtime.torch.device("cuda", 1),
+        ),
         mock.call.initialize_rng(None),
     ]
 
@@ -121,7 +153,9 @@ def _started_on_cuda(torch_start, monkeypatch, device_count=2):
     calls.init_process_group.side_effect = None
     monkeypatch.delenv("KTD_DEVICE")
     monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runtime.torch.cuda, "device_count", lambda: device_count)
+    monkeypatch.setattr(
+        runtime.torch.cuda, "device_count", lambda: device_count
+    )
     monkeypatch.setattr(runtime.torch.cuda, "set_device", calls.set_device)
     monkeypatch.setattr(runtime.dist, "get_rank", lambda: 1)
     monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 4)
@@ -130,7 +164,8 @@ def _started_on_cuda(torch_start, monkeypatch, device_count=2):
 
 
 def test_an_explicit_start_without_local_rank_counts_the_host_processes(
-        torch_start, monkeypatch):
+    torch_start, monkeypatch
+):
     """initialize(job_addresses, n, id) on a GPU host with no LOCAL_RANK:
     the process counts itself in on the store under its host name (the
     third process of this host here), instead of taking GPU 0 as every
@@ -139,10 +174,13 @@ def test_an_explicit_start_without_local_rank_counts_the_host_processes(
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     store.add.return_value = 3  # two processes of this host came first
     keras.distribution.initialize("10.0.0.1:1234", 4, 1)
-    store.add.assert_called_once_with(f"ktd/local_rank/{runtime.socket.gethostname()}", 1)
+    store.add.assert_called_once_with(
+        f"ktd/local_rank/{runtime.socket.gethostname()}", 1
+    )
     calls.set_device.assert_called_once_with(2)
-    assert calls.init_process_group.call_args.kwargs["device_id"] == runtime.torch.device(
-        "cuda", 2)
+    assert calls.init_process_group.call_args.kwargs[
+        "device_id"
+    ] == runtime.torch.device("cuda", 2)
 
 
 def test_a_given_local_rank_is_not_counted(torch_start, monkeypatch):
@@ -162,15 +200,24 @@ def test_a_cpu_start_touches_no_gpu(torch_start, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(runtime.torch.cuda, "set_device", calls.set_device)
-    monkeypatch.setattr(runtime._keras.torch_core_module, "DEFAULT_DEVICE", "cuda")
+    monkeypatch.setattr(
+        runtime._keras.torch_core_module, "DEFAULT_DEVICE", "cuda"
+    )
     monkeypatch.setattr(runtime.dist, "get_rank", lambda: 1)
     monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(seeds, "initialize_rng", calls.initialize_rng)
     keras.distribution.initialize("10.0.0.1:1234", 2, 1)
     assert calls.mock_calls == [
-        mock.call.rendezvous("tcp://10.0.0.1:1234", 1, 2, timeout=_SEVEN_SECONDS),
-        mock.call.init_process_group(backend="gloo", store=store, world_size=2, rank=1,
-                                     timeout=_SEVEN_SECONDS),
+        mock.call.rendezvous(
+            "tcp://10.0.0.1:1234", 1, 2, timeout=_SEVEN_SECONDS
+        ),
+        mock.call.init_process_group(
+            backend="gloo",
+            store=store,
+            world_size=2,
+            rank=1,
+            timeout=_SEVEN_SECONDS,
+        ),
         mock.call.initialize_rng(None),
     ]
     store.add.assert_not_called()
@@ -186,11 +233,15 @@ def cuda_machine(monkeypatch):
     """CUDA "available", and Keras' torch device "cuda" as Keras picks it
     there (restored after the test)."""
     monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runtime._keras.torch_core_module, "DEFAULT_DEVICE", "cuda")
+    monkeypatch.setattr(
+        runtime._keras.torch_core_module, "DEFAULT_DEVICE", "cuda"
+    )
     monkeypatch.delenv("KERAS_TORCH_DEVICE", raising=False)
 
 
-def test_ktd_device_cpu_makes_keras_compute_on_the_cpu(cuda_machine, monkeypatch):
+def test_ktd_device_cpu_makes_keras_compute_on_the_cpu(
+    cuda_machine, monkeypatch
+):
     """KTD_DEVICE=cpu picks gloo; Keras must then make CPU tensors too (gloo
     cannot carry CUDA ones), in every thread and after clear_session."""
     import threading
@@ -201,18 +252,26 @@ def test_ktd_device_cpu_makes_keras_compute_on_the_cpu(cuda_machine, monkeypatch
     keras.backend.clear_session()
     assert keras.ops.zeros((2,)).device.type == "cpu"
     seen = []
-    thread = threading.Thread(target=lambda: seen.append(str(runtime._keras.torch_device())))
+    thread = threading.Thread(
+        target=lambda: seen.append(str(runtime._keras.torch_device()))
+    )
     thread.start()
     thread.join()
     assert seen == ["cpu"]
 
 
-def test_ktd_device_cpu_refuses_another_keras_torch_device(cuda_machine, monkeypatch):
+def test_ktd_device_cpu_refuses_another_keras_torch_device(
+    cuda_machine, monkeypatch
+):
     monkeypatch.setenv("KTD_DEVICE", "cpu")
     monkeypatch.setenv("KERAS_TORCH_DEVICE", "cuda:0")
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             r"^KTD_DEVICE=cpu asks for CPU processes \(gloo\), but "
-            r"KERAS_TORCH_DEVICE='cuda:0' makes Keras compute on another device")):
+            r"KERAS_TORCH_DEVICE='cuda:0' makes Keras compute on another device"
+        ),
+    ):
         runtime.uses_cuda()
 
 
@@ -229,18 +288,27 @@ def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):
 
     monkeypatch.delenv("KTD_DEVICE", raising=False)
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             r"^list_devices\('cpu'\) asks for CPU devices, but this run computes on "
-            r"CUDA \(process group 'cpu:gloo,cuda:nccl', Keras' torch device 'cuda'\)")):
+            r"CUDA \(process group 'cpu:gloo,cuda:nccl', Keras' torch device 'cuda'\)"
+        ),
+    ):
         keras.distribution.list_devices("cpu")
     monkeypatch.setattr(layouts.runtime, "ensure_initialized", lambda: 1)
     mesh = keras.distribution.DeviceMesh((1,), ["batch"], ["cpu:0"])
-    with pytest.raises(ValueError, match=r"^DeviceMesh devices \['cpu:0'\] are CPUs, but "
-                                         r"this run computes on CUDA"):
+    with pytest.raises(
+        ValueError,
+        match=r"^DeviceMesh devices \['cpu:0'\] are CPUs, but "
+        r"this run computes on CUDA",
+    ):
         layouts.to_torch_mesh(mesh)
 
 
-def test_gpu_devices_under_ktd_device_cpu_are_refused(cuda_machine, monkeypatch):
+def test_gpu_devices_under_ktd_device_cpu_are_refused(
+    cuda_machine, monkeypatch
+):
     from keras_torch_distribution.distributed import layouts
 
     monkeypatch.setenv("KTD_DEVICE", "cpu")
@@ -248,19 +316,28 @@ def test_gpu_devices_under_ktd_device_cpu_are_refused(cuda_machine, monkeypatch)
     assert keras.distribution.list_devices("gpu") == []
     monkeypatch.setattr(layouts.runtime, "ensure_initialized", lambda: 1)
     mesh = keras.distribution.DeviceMesh((1,), ["batch"], ["gpu:0"])
-    with pytest.raises(ValueError, match=r"are GPUs, but KTD_DEVICE=cpu runs this process "
-                                         r"on the CPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"are GPUs, but KTD_DEVICE=cpu runs this process "
+        r"on the CPU",
+    ):
         layouts.to_torch_mesh(mesh)
 
 
-@pytest.mark.parametrize("job_addresses", ["node-a:0", "node-a:70000", "node-a:",
-                                           ":1234", "node-a:port", "[::1]x"])
+@pytest.mark.parametrize(
+    "job_addresses",
+    ["node-a:0", "node-a:70000", "node-a:", ":1234", "node-a:port", "[::1]x"],
+)
 def test_job_addresses_that_are_not_an_address(torch_start, job_addresses):
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             rf"^job_addresses={re.escape(repr(job_addresses))} is not 'host:port' or "
             r"'host' \(process 0's address first; port 29500 when left out\) nor an init "
             r"URL such as 'tcp://host:port' or 'file:///path'. Give e.g. "
-            r"job_addresses='10.0.0.1:1234'.$")):
+            r"job_addresses='10.0.0.1:1234'.$"
+        ),
+    ):
         keras.distribution.initialize(job_addresses, 2, 1)
     assert torch_start[0].mock_calls == []
 
@@ -284,8 +361,12 @@ def test_a_launch_without_its_environment_says_how_to_start(monkeypatch):
         "one-process run."
     )
     mesh = keras.distribution.DeviceMesh((2,), ["model"], ["cpu:0", "cpu:1"])
-    for use in (keras.distribution.list_devices, keras.distribution.DataParallel,
-                lambda: mesh.backend_mesh, keras.distribution.initialize):
+    for use in (
+        keras.distribution.list_devices,
+        keras.distribution.DataParallel,
+        lambda: mesh.backend_mesh,
+        keras.distribution.initialize,
+    ):
         with pytest.raises(RuntimeError) as caught:
             use()
         assert str(caught.value) == expected
@@ -294,5 +375,7 @@ def test_a_launch_without_its_environment_says_how_to_start(monkeypatch):
 def test_a_bad_world_size_is_named(monkeypatch):
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "two")
-    with pytest.raises(ValueError, match=r"^WORLD_SIZE='two' is not a number of processes"):
+    with pytest.raises(
+        ValueError, match=r"^WORLD_SIZE='two' is not a number of processes"
+    ):
         keras.distribution.list_devices()

@@ -44,7 +44,9 @@ LAYOUTS = [
 
 SEEDED = {
     "random_normal": lambda: keras.initializers.RandomNormal(0.5, 2.0, seed=11),
-    "random_uniform": lambda: keras.initializers.RandomUniform(-3.0, 1.0, seed=12),
+    "random_uniform": lambda: keras.initializers.RandomUniform(
+        -3.0, 1.0, seed=12
+    ),
     "truncated_normal": lambda: keras.initializers.TruncatedNormal(
         0.1, 0.7, seed=13
     ),
@@ -54,14 +56,23 @@ SEEDED = {
     "he_uniform": lambda: keras.initializers.HeUniform(seed=17),
     "lecun_normal": lambda: keras.initializers.LecunNormal(seed=18),
     "lecun_uniform": lambda: keras.initializers.LecunUniform(seed=19),
-    "variance_scaling_fan_avg_uniform": lambda: keras.initializers.VarianceScaling(
-        scale=0.3, mode="fan_avg", distribution="uniform", seed=20
+    "variance_scaling_fan_avg_uniform": lambda: (
+        keras.initializers.VarianceScaling(
+            scale=0.3, mode="fan_avg", distribution="uniform", seed=20
+        )
     ),
-    "variance_scaling_fan_out_untruncated": lambda: keras.initializers.VarianceScaling(
-        scale=2.5, mode="fan_out", distribution="untruncated_normal", seed=21
+    "variance_scaling_fan_out_untruncated": lambda: (
+        keras.initializers.VarianceScaling(
+            scale=2.5,
+            mode="fan_out",
+            distribution="untruncated_normal",
+            seed=21,
+        )
     ),
-    "variance_scaling_fan_in_truncated": lambda: keras.initializers.VarianceScaling(
-        scale=1.5, mode="fan_in", distribution="truncated_normal", seed=22
+    "variance_scaling_fan_in_truncated": lambda: (
+        keras.initializers.VarianceScaling(
+            scale=1.5, mode="fan_in", distribution="truncated_normal", seed=22
+        )
     ),
     "seed_generator_normal": lambda: keras.initializers.RandomNormal(
         seed=keras.random.SeedGenerator(23)
@@ -131,7 +142,11 @@ def test_every_block_equals_one_process_slice(name, chunk_draws):
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16", "float16"])
 def test_other_float_dtypes(name, dtype, monkeypatch):
     monkeypatch.setattr(sharded_init, "CHUNK_DRAWS", 48)
-    for shape, pieces in [((33, 17), (2, 2)), ((3, 4), (1, 2)), ((3, 3, 5, 8), (1, 1, 2, 2))]:
+    for shape, pieces in [
+        ((33, 17), (2, 2)),
+        ((3, 4), (1, 2)),
+        ((3, 3, 5, 8), (1, 1, 2, 2)),
+    ]:
         _check_all_boxes(SEEDED[name], shape, pieces, dtype=dtype)
 
 
@@ -153,12 +168,17 @@ def test_stream_block_any_chunk_size(kind, max_draws):
     ]:
         full = _full(make, shape)
         for box in _boxes(shape, pieces):
-            call = sharded_init.record_random_initializer(make(), shape, "float32")
+            call = sharded_init.record_random_initializer(
+                make(), shape, "float32"
+            )
             assert call is not None and call.kind == kind
             block = sharded_init._stream_block(
                 call, shape, torch.float32, box, max_draws=max_draws
             )
-            assert np.array_equal(block.numpy(), full[_slices(box)]), (shape, box)
+            assert np.array_equal(block.numpy(), full[_slices(box)]), (
+                shape,
+                box,
+            )
 
 
 def test_arbitrary_boxes(monkeypatch):
@@ -167,8 +187,13 @@ def test_arbitrary_boxes(monkeypatch):
     shape = (50, 9)
     make = SEEDED["glorot_normal"]
     full = _full(make, shape)
-    for box in [((17, 18), (0, 9)), ((3, 41), (2, 7)), ((49, 50), (8, 9)),
-                ((10, 10), (0, 9)), ((0, 50), (4, 4))]:
+    for box in [
+        ((17, 18), (0, 9)),
+        ((3, 41), (2, 7)),
+        ((49, 50), (8, 9)),
+        ((10, 10), (0, 9)),
+        ((0, 50), (4, 4)),
+    ]:
         block = sharded_init.init_block(make(), shape, "float32", box, "v")
         assert np.array_equal(block.numpy(), full[_slices(box)]), box
 
@@ -176,8 +201,12 @@ def test_arbitrary_boxes(monkeypatch):
 @pytest.mark.parametrize("gain", [1.0, 0.5])
 def test_identity(gain):
     make = lambda: keras.initializers.Identity(gain=gain)  # noqa: E731
-    for shape, pieces in [((33, 17), (2, 2)), ((6, 1001), (1, 2)), ((4, 4), (2, 2)),
-                          ((5, 3), (4, 1))]:
+    for shape, pieces in [
+        ((33, 17), (2, 2)),
+        ((6, 1001), (1, 2)),
+        ((4, 4), (2, 2)),
+        ((5, 3), (4, 1)),
+    ]:
         _check_all_boxes(make, shape, pieces)
 
 
@@ -223,7 +252,11 @@ class Wavy(keras.initializers.Initializer):
 
 
 def test_user_initializer_falls_back_with_one_warning(warnings_seen):
-    for shape, pieces in [((33, 17), (2, 2)), ((3, 3, 5, 8), (1, 1, 2, 2)), ((7,), (2,))]:
+    for shape, pieces in [
+        ((33, 17), (2, 2)),
+        ((3, 3, 5, 8), (1, 1, 2, 2)),
+        ((7,), (2,)),
+    ]:
         _check_all_boxes(Wavy, shape, pieces, path="my_layer/kernel")
     _check_all_boxes(Wavy, (4, 6), (2, 1), path="other/kernel")
     mine = [m for m in warnings_seen if "my_layer/kernel" in m]
@@ -235,7 +268,9 @@ def test_user_initializer_falls_back_with_one_warning(warnings_seen):
 def test_built_in_initializers_do_not_warn(warnings_seen, monkeypatch):
     monkeypatch.setattr(sharded_init, "CHUNK_DRAWS", 48)
     for name in sorted(SEEDED):
-        _check_all_boxes(SEEDED[name], (33, 17), (2, 2), path=f"layer_{name}/kernel")
+        _check_all_boxes(
+            SEEDED[name], (33, 17), (2, 2), path=f"layer_{name}/kernel"
+        )
     _check_all_boxes(lambda: keras.initializers.Identity(), (8, 8), (2, 2))
     assert warnings_seen == []
 
@@ -252,11 +287,17 @@ def test_a_whole_fallback_value_is_computed_on_the_host(monkeypatch):
     expected = np.asarray(Wavy()(shape, dtype="float32"))[10:20]
     monkeypatch.setattr(_keras.torch_core_module, "DEFAULT_DEVICE", "meta")
     with Allocations() as made:
-        block = sharded_init.init_block(Wavy(), shape, "float32", box, "wavy/kernel")
+        block = sharded_init.init_block(
+            Wavy(), shape, "float32", box, "wavy/kernel"
+        )
     assert block.device.type == "meta" and tuple(block.shape) == (10, 16)
     assert made.largest("meta") == 10 * 16
     assert made.largest("cpu") == 40 * 16  # whole, on the host only
     monkeypatch.setattr(_keras.torch_core_module, "DEFAULT_DEVICE", "cpu")
-    block = sharded_init.init_block(Wavy(), shape, "float32", box, "wavy/kernel")
+    block = sharded_init.init_block(
+        Wavy(), shape, "float32", box, "wavy/kernel"
+    )
     np.testing.assert_array_equal(block.numpy(), expected)
-    assert block.untyped_storage().nbytes() == 10 * 16 * 4  # not a view of the whole
+    assert (
+        block.untyped_storage().nbytes() == 10 * 16 * 4
+    )  # not a view of the whole

@@ -16,11 +16,10 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+from helpers import LAUNCHER_VARIABLES  # noqa: E402
 from keras_torch_distribution.distributed import runtime  # noqa: E402
 from keras_torch_distribution.launch import environments  # noqa: E402
 from keras_torch_distribution.launch import spawn  # noqa: E402
-
-from helpers import LAUNCHER_VARIABLES  # noqa: E402
 
 
 class _Started(Exception):
@@ -31,9 +30,16 @@ class _Started(Exception):
 def machine(monkeypatch):
     """A machine with 2 local GPUs and no launcher, where starting
     processes or a process group records the call and raises _Started."""
-    for key in LAUNCHER_VARIABLES + environments.KERAS_VARIABLES + (
-            "TORCHELASTIC_RUN_ID", spawn.LAUNCHED_VARIABLE, environments.SPAWN_VARIABLE,
-            environments.CLUSTER_VARIABLE):
+    for key in (
+        LAUNCHER_VARIABLES
+        + environments.KERAS_VARIABLES
+        + (
+            "TORCHELASTIC_RUN_ID",
+            spawn.LAUNCHED_VARIABLE,
+            environments.SPAWN_VARIABLE,
+            environments.CLUSTER_VARIABLE,
+        )
+    ):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)
     monkeypatch.setattr(runtime, "local_device_count", lambda: 2)
@@ -42,7 +48,9 @@ def machine(monkeypatch):
     calls.start_processes.side_effect = _Started
     calls.init_process_group.side_effect = _Started
     monkeypatch.setattr(spawn, "start_processes", calls.start_processes)
-    monkeypatch.setattr(runtime, "_init_process_group", calls.init_process_group)
+    monkeypatch.setattr(
+        runtime, "_init_process_group", calls.init_process_group
+    )
     return calls
 
 
@@ -51,28 +59,48 @@ def test_a_script_on_a_machine_with_2_gpus_starts_2_processes(machine):
     with pytest.raises(_Started):
         keras.distribution.initialize()
     ((launch, timeout), _) = machine.start_processes.call_args
-    assert (launch.environment, launch.nproc, launch.nnodes, launch.world) == ("local", 2, 1, 2)
+    assert (launch.environment, launch.nproc, launch.nnodes, launch.world) == (
+        "local",
+        2,
+        1,
+        2,
+    )
     assert timeout == runtime.timeout_seconds()
     machine.init_process_group.assert_not_called()
 
 
-@pytest.mark.parametrize("where, reason", [
-    ({"argv": ["-c"]}, "Python runs a program given by -c or on stdin, which cannot be run again"),
-    ({"argv": [""]}, "Python runs a program given by -c or on stdin, which cannot be run again"),
-    ({"ps1": ">>> "}, "the Python session is interactive"),
-    ({"module": "ipykernel"}, "it runs in a Jupyter kernel"),
-    ({"env": {"KTD_SPAWN": "0"}}, "KTD_SPAWN=0 is set"),
-    ({"env": {"KTD_LAUNCHED": "1"}}, "this process was itself started by a launcher"),
-])
+@pytest.mark.parametrize(
+    "where, reason",
+    [
+        (
+            {"argv": ["-c"]},
+            "Python runs a program given by -c or on stdin, which cannot be run again",
+        ),
+        (
+            {"argv": [""]},
+            "Python runs a program given by -c or on stdin, which cannot be run again",
+        ),
+        ({"ps1": ">>> "}, "the Python session is interactive"),
+        ({"module": "ipykernel"}, "it runs in a Jupyter kernel"),
+        ({"env": {"KTD_SPAWN": "0"}}, "KTD_SPAWN=0 is set"),
+        (
+            {"env": {"KTD_LAUNCHED": "1"}},
+            "this process was itself started by a launcher",
+        ),
+    ],
+)
 def test_no_processes_start_where_the_script_cannot_run_again(
-        machine, monkeypatch, caplog, where, reason):
+    machine, monkeypatch, caplog, where, reason
+):
     """T22, T24: one process on one GPU, with one warning naming `ktd run`."""
     if "argv" in where:
         monkeypatch.setattr(sys, "argv", where["argv"])
     if "ps1" in where:
         monkeypatch.setattr(sys, "ps1", where["ps1"], raising=False)
     if "module" in where:
-        monkeypatch.setitem(sys.modules, where["module"], types.ModuleType(where["module"]))
+        monkeypatch.setitem(
+            sys.modules, where["module"], types.ModuleType(where["module"])
+        )
     for key, value in where.get("env", {}).items():
         monkeypatch.setenv(key, value)
     with caplog.at_level(logging.WARNING, logger="keras_torch_distribution"):
@@ -80,7 +108,9 @@ def test_no_processes_start_where_the_script_cannot_run_again(
             keras.distribution.initialize()
     machine.start_processes.assert_not_called()
     assert machine.init_process_group.call_args.kwargs["world_size"] == 1
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+    ]
     assert warnings == [
         f"2 processes could run on this node (local: one per device), but {reason}: this "
         "process runs alone, on one device. Start the script with `ktd run -n 2 script.py` "
@@ -95,38 +125,62 @@ def test_first_use_never_starts_processes(machine, caplog):
         with pytest.raises(_Started):
             runtime.ensure_initialized("a DeviceMesh")
     machine.start_processes.assert_not_called()
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert ("but a DeviceMesh started the process group on first use, with the script "
-            "already running: this process runs alone") in warning
-    assert warning.endswith(", or call keras.distribution.initialize() at its top to use "
-                            "every device.")
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+    ]
+    assert (
+        "but a DeviceMesh started the process group on first use, with the script "
+        "already running: this process runs alone"
+    ) in warning
+    assert warning.endswith(
+        ", or call keras.distribution.initialize() at its top to use "
+        "every device."
+    )
     os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"] = "2"
     try:
-        with pytest.raises(ValueError, match=(
+        with pytest.raises(
+            ValueError,
+            match=(
                 r"^initialize\(num_processes=2\) would start 2 local processes, but "
-                r"list_devices\(\) started the process group on first use")):
+                r"list_devices\(\) started the process group on first use"
+            ),
+        ):
             runtime.ensure_initialized("list_devices()")
     finally:
         del os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"]
 
 
-def test_one_task_per_node_without_spawning_joins_one_process_per_node(machine, monkeypatch,
-                                                                       caplog):
+def test_one_task_per_node_without_spawning_joins_one_process_per_node(
+    machine, monkeypatch, caplog
+):
     """An srun step of 1 task per node on 2-GPU nodes, started by `python -c`:
     each task joins as one process per node (never alone), with the warning."""
-    for key, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1",
-                       "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "1",
-                       "SLURM_STEP_NODELIST": "n[1-2]", "MASTER_PORT": "1234"}.items():
+    for key, value in {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "MASTER_PORT": "1234",
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(sys, "argv", ["-c"])
     with caplog.at_level(logging.WARNING, logger="keras_torch_distribution"):
         with pytest.raises(_Started):
             keras.distribution.initialize()
     assert machine.init_process_group.call_args.kwargs == {
-        "init_method": "tcp://n1:1234", "world_size": 2, "rank": 1,
-        "timeout": mock.ANY, "local_rank": 0}
-    assert "this process runs as rank 1 of 2, one process per node, on one device" in \
-        caplog.text
+        "init_method": "tcp://n1:1234",
+        "world_size": 2,
+        "rank": 1,
+        "timeout": mock.ANY,
+        "local_rank": 0,
+    }
+    assert (
+        "this process runs as rank 1 of 2, one process per node, on one device"
+        in caplog.text
+    )
 
 
 def test_an_existing_process_group_is_adopted(monkeypatch):
@@ -134,12 +188,17 @@ def test_an_existing_process_group_is_adopted(monkeypatch):
     monkeypatch.setattr(runtime, "is_initialized", lambda: True)
     monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 4)
     monkeypatch.setattr(runtime.dist, "get_rank", lambda: 2)
-    monkeypatch.setattr(environments, "detect", mock.Mock(side_effect=AssertionError))
+    monkeypatch.setattr(
+        environments, "detect", mock.Mock(side_effect=AssertionError)
+    )
     monkeypatch.setenv("SLURM_STEP_ID", "0")  # would be an incomplete srun step
     keras.distribution.initialize()
     keras.distribution.initialize(num_processes=4, process_id=2)
-    with pytest.raises(ValueError, match=r"initialize\(num_processes=2\) but torch.distributed "
-                                         r"already runs 4 processes"):
+    with pytest.raises(
+        ValueError,
+        match=r"initialize\(num_processes=2\) but torch.distributed "
+        r"already runs 4 processes",
+    ):
         keras.distribution.initialize(num_processes=2)
 
 
@@ -148,7 +207,9 @@ def test_why_not_outside_the_main_thread(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py"])
     found = []
-    thread = threading.Thread(target=lambda: found.append(spawn.why_not(environ={})))
+    thread = threading.Thread(
+        target=lambda: found.append(spawn.why_not(environ={}))
+    )
     thread.start()
     thread.join()
     assert found == ["initialize() was called outside the main thread"]
@@ -160,30 +221,55 @@ def test_the_started_processes_run_the_script_again():
     script = types.SimpleNamespace(__spec__=None, __file__="/x/train.py")
     command = spawn.child_command(["train.py", "--lr", "1"], script)
     assert command[0] == "-u" and command[-5:] == [
-        *runner, os.path.join(os.getcwd(), "train.py"), "--lr", "1"]
+        *runner,
+        os.path.join(os.getcwd(), "train.py"),
+        "--lr",
+        "1",
+    ]
     # `python -m pkg.train` and `python -m pkg` run as modules again.
     for name, module in (("pkg.train", "pkg.train"), ("pkg.__main__", "pkg")):
         main = types.SimpleNamespace(__spec__=types.SimpleNamespace(name=name))
         assert spawn.child_command(["/x/pkg/train.py", "a"], main)[-5:] == [
-            *runner, "-m", module, "a"]
+            *runner,
+            "-m",
+            module,
+            "a",
+        ]
 
 
 def test_ktd_env_shows_what_initialize_would_do(machine, monkeypatch, capsys):
     from keras_torch_distribution import cli
 
-    step = {"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "n[7-8]",
-            "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}
+    step = {
+        "SLURM_JOB_ID": "123456",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "n[7-8]",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+    }
     for key, value in step.items():
         monkeypatch.setenv(key, value)
     port = environments.detect(step).port
     assert cli.print_launch() == 0
-    shown = [line.split(None, 1) for line in capsys.readouterr().out.splitlines()[2:]]
+    shown = [
+        line.split(None, 1) for line in capsys.readouterr().out.splitlines()[2:]
+    ]
     assert shown[:8] == [
-        ["environment", "slurm"], ["start", "join"], ["world", "4"], ["rank", "3"],
-        ["local_rank", "1"], ["address", "n7"], ["port", str(port)],
-        ["init_method", f"tcp://n7:{port}"]]
+        ["environment", "slurm"],
+        ["start", "join"],
+        ["world", "4"],
+        ["rank", "3"],
+        ["local_rank", "1"],
+        ["address", "n7"],
+        ["port", str(port)],
+        ["init_method", f"tcp://n7:{port}"],
+    ]
     machine.start_processes.assert_not_called()
     machine.init_process_group.assert_not_called()
     monkeypatch.delenv("SLURM_PROCID")
     assert cli.print_launch() == 1
-    assert "  error: This process looks started by SLURM (an srun step)" in capsys.readouterr().out
+    assert (
+        "  error: This process looks started by SLURM (an srun step)"
+        in capsys.readouterr().out
+    )

@@ -51,7 +51,9 @@ def package_order(package_dir, package):
     """The modules of a sub-package in the order its `__init__` docstring
     lists them ("- `name`: ..."), bottom first."""
     path = os.path.join(package_dir, package, "__init__.py")
-    docstring = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read()))
+    docstring = ast.get_docstring(
+        ast.parse(open(path, encoding="utf-8").read())
+    )
     return re.findall(r"^- `(\w+)`", docstring or "", flags=re.M)
 
 
@@ -83,7 +85,9 @@ def _modules(package_dir):
             if not name.endswith(".py"):
                 continue
             path = os.path.join(directory, name)
-            parts = os.path.relpath(path, package_dir)[: -len(".py")].split(os.sep)
+            parts = os.path.relpath(path, package_dir)[: -len(".py")].split(
+                os.sep
+            )
             if parts[-1] == "__init__" and len(parts) > 1:
                 parts = parts[:-1]
             found[".".join(parts)] = path
@@ -138,7 +142,9 @@ def _keras_src_importers(package_dir):
                 names = [node.module or ""]
                 if node.module == "keras":
                     names += [f"keras.{a.name}" for a in node.names]
-            if any(n == "keras.src" or n.startswith("keras.src.") for n in names):
+            if any(
+                n == "keras.src" or n.startswith("keras.src.") for n in names
+            ):
                 offenders.append(module)
                 break
     return offenders
@@ -153,7 +159,9 @@ def layer_violations(package_dir, layers):
     unlisted = sorted(set(modules) - set(where))
     violations = []
     for module in sorted(where):
-        for imported in sorted(_package_imports(module, modules[module], modules)):
+        for imported in sorted(
+            _package_imports(module, modules[module], modules)
+        ):
             if where.get(imported, (len(layers), 0)) >= where[module]:
                 violations.append((module, imported))
     return unlisted, violations
@@ -206,23 +214,34 @@ def fake_package(tmp_path):
     (package / "high.py").write_text(
         f"from {PACKAGE} import low\n\ndef f():\n    from {PACKAGE} import top\n"
     )
-    (package / "top.py").write_text(f"from {PACKAGE} import high\nfrom keras import src\n")
-    (package / "sub" / "__init__.py").write_text('"""Sub.\n\n- `leaf`: a leaf.\n"""\nfrom . import leaf\n')
-    (package / "sub" / "leaf.py").write_text("from keras.src.utils import rng_utils\n")
+    (package / "top.py").write_text(
+        f"from {PACKAGE} import high\nfrom keras import src\n"
+    )
+    (package / "sub" / "__init__.py").write_text(
+        '"""Sub.\n\n- `leaf`: a leaf.\n"""\nfrom . import leaf\n'
+    )
+    (package / "sub" / "leaf.py").write_text(
+        "from keras.src.utils import rng_utils\n"
+    )
     return str(package)
 
 
 def test_the_checks_find_offenders(fake_package):
     layers = ["_keras", "low", "high", "top", "sub", "__init__"]
     assert layer_violations(fake_package, layers) == ([], [("high", "top")])
-    assert layer_violations(fake_package, layers[:-1]) == (["__init__"], [("high", "top")])
+    assert layer_violations(fake_package, layers[:-1]) == (
+        ["__init__"],
+        [("high", "top")],
+    )
     assert _keras_src_importers(fake_package) == ["sub.leaf", "top"]
 
 
 def test_a_package_orders_its_modules_by_its_docstring(fake_package):
     sub = os.path.join(fake_package, "sub")
     with open(os.path.join(sub, "__init__.py"), "w") as f:
-        f.write('"""Sub.\n\n- `leaf`: a leaf.\n- `stem`: above it.\n"""\nfrom . import leaf\n')
+        f.write(
+            '"""Sub.\n\n- `leaf`: a leaf.\n- `stem`: above it.\n"""\nfrom . import leaf\n'
+        )
     with open(os.path.join(sub, "stem.py"), "w") as f:
         f.write("from keras_torch_distribution.sub import leaf\n")
     with open(os.path.join(sub, "leaf.py"), "w") as f:
@@ -230,7 +249,8 @@ def test_a_package_orders_its_modules_by_its_docstring(fake_package):
     layers = ["_keras", "low", "high", "top", "sub", "__init__"]
     assert package_order(fake_package, "sub") == ["leaf", "stem"]
     assert layer_violations(fake_package, layers) == (
-        [], [("high", "top"), ("sub.leaf", "sub.stem")]
+        [],
+        [("high", "top"), ("sub.leaf", "sub.stem")],
     )
 
 
@@ -256,7 +276,11 @@ def _keras_private_names():
     names = set()
     for obj in objects:
         for name in list(vars(obj)) + dir(type(obj)):
-            if name.startswith("_") and not name.startswith("__") and not name.startswith("_ktd_"):
+            if (
+                name.startswith("_")
+                and not name.startswith("__")
+                and not name.startswith("_ktd_")
+            ):
                 names.add(name)
     return names
 
@@ -273,7 +297,9 @@ def private_keras_reads(package_dir, private_names):
             if (
                 isinstance(node, ast.Attribute)
                 and node.attr in private_names
-                and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+                and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "self"
+                )
             ):
                 found.append((module, node.attr))
     return sorted(set(found))
@@ -294,7 +320,9 @@ def test_the_private_attribute_check_finds_offenders(tmp_path):
     (package / "user.py").write_text(
         "def f(variable, callback):\n    variable._value = 1\n    return callback._current_epoch\n"
     )
-    (package / "own.py").write_text("class A:\n    def f(self):\n        return self._value\n")
+    (package / "own.py").write_text(
+        "class A:\n    def f(self):\n        return self._value\n"
+    )
     names = {"_value", "_current_epoch"}
     assert private_keras_reads(str(package), names) == [
         ("user", "_current_epoch"),

@@ -9,11 +9,11 @@ from torch.distributed.tensor import DTensor
 
 import keras_torch_distribution
 from keras_torch_distribution import _install
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import sharding_rules
 from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.training import overlap
 from keras_torch_distribution.training import replica_start
-from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import sharding_rules
 from keras_torch_distribution.training import trainer
 from keras_torch_distribution.variables import born_sharded
 
@@ -96,7 +96,9 @@ def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
     if torch_own[_STACK][0] is not None:
         assert ours[_STACK][0] is not torch_own[_STACK][0]
         assert ours[_STACK][1:] == torch_own[_STACK][1:]
-    rewrites = hasattr(DTensor._op_dispatcher.sharding_propagator, "squeeze_op_to_dims_variant")
+    rewrites = hasattr(
+        DTensor._op_dispatcher.sharding_propagator, "squeeze_op_to_dims_variant"
+    )
     for op in _SQUEEZE_OPS:
         if rewrites:
             assert ours[op] == torch_own[op], op
@@ -110,7 +112,10 @@ def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
 
 
 def test_uninstall_removes_gradient_hooks_and_clears_state(reinstall):
-    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    params = [
+        torch.nn.Parameter(torch.ones(3)),
+        torch.nn.Parameter(torch.ones(2)),
+    ]
     reducer = overlap.OverlappedReducer(params, group=None, count=2)
     optimizer = keras.optimizers.SGD()
     trainer.optimizer_sync.reducers[optimizer] = reducer
@@ -130,7 +135,10 @@ def test_uninstall_removes_gradient_hooks_and_clears_state(reinstall):
     assert model not in replica_start.equalized.models
     assert not gathering.plans_exist()
     assert not born_sharded.has_sharded_variables()
-    assert (replicas.batch_weight.value, replicas.batch_weight.rows) == (1.0, None)
+    assert (replicas.batch_weight.value, replicas.batch_weight.rows) == (
+        1.0,
+        None,
+    )
     assert replicas.cache.by_key == {}
     # Every state object has a clear() that uninstall calls.
     for state in _install._state_objects():

@@ -42,8 +42,16 @@ def batch_scale():
     return replicas.batch_scale()
 
 
-def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
-                     steps_per_epoch=None, shuffle=False, class_weight=None):
+def get_data_adapter(
+    original,
+    x,
+    y=None,
+    sample_weight=None,
+    batch_size=None,
+    steps_per_epoch=None,
+    shuffle=False,
+    class_weight=None,
+):
     """Keras' `get_data_adapter`, sharding its batches over replicas."""
     arguments = dict(
         x=x,
@@ -69,7 +77,9 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
     if not distribution.auto_shard_dataset or _keras.is_generator(x):
         return _wrap(
             adapter,
-            lambda batches: (_process_rows(b, group) for b in _together(batches, adapter)),
+            lambda batches: (
+                _process_rows(b, group) for b in _together(batches, adapter)
+            ),
             num_batches=adapter.num_batches,
         )
     if shuffle or _keras.is_torch_dataloader(x):
@@ -77,7 +87,9 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
     if _keras.is_torch_dataloader(x):
         return _wrap(
             adapter,
-            lambda batches: _together(_round_robin(iter(batches), adapter, group), adapter),
+            lambda batches: _together(
+                _round_robin(iter(batches), adapter, group), adapter
+            ),
             num_batches=_round_robin_count(adapter, group),
         )
     if batch_size is not None and batch_size % group.count:
@@ -87,7 +99,8 @@ def get_data_adapter(original, x, y=None, sample_weight=None, batch_size=None,
             f"multiple of {group.count}, e.g. {batch_size - batch_size % group.count or group.count}."
         )
     return _wrap(
-        adapter, lambda batches: (_replica_rows(b, group) for b in batches),
+        adapter,
+        lambda batches: (_replica_rows(b, group) for b in batches),
         num_batches=adapter.num_batches,
     )
 
@@ -125,7 +138,9 @@ def _process_rows(batch, group):
     """A per-process batch: this replica's piece of a global batch made of
     the replicas' equal pieces, in replica order; it weighs an even share."""
     rows = _rows(batch)
-    replicas.batch_weight.set(1.0, (rows * group.count, rows * group.index, rows))
+    replicas.batch_weight.set(
+        1.0, (rows * group.count, rows * group.index, rows)
+    )
     return batch
 
 
@@ -177,7 +192,8 @@ def _as_given(adapter):
         return batch
 
     return _wrap(
-        adapter, lambda batches: (even(b) for b in batches),
+        adapter,
+        lambda batches: (even(b) for b in batches),
         num_batches=adapter.num_batches,
     )
 

@@ -45,8 +45,8 @@ from torch.distributed.tensor import Shard
 from keras_torch_distribution import _keras
 from keras_torch_distribution.batch import adapter
 from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.variables import sharded_init
 from keras_torch_distribution.distributed import tensors
+from keras_torch_distribution.variables import sharded_init
 
 
 def _batch_window(rows):
@@ -63,7 +63,9 @@ def _batch_window(rows):
 
 def _is_symbolic(tensor=None):
     device = str(_keras.torch_device())
-    return device == "meta" or (tensor is not None and tensor.device.type == "meta")
+    return device == "meta" or (
+        tensor is not None and tensor.device.type == "meta"
+    )
 
 
 def draws_at_once(device):
@@ -82,11 +84,17 @@ def _rows_of(draw, shape, box, dtype, device, to_end):
         whole = draw(shape, torch.empty(shape, dtype=dtype, device=device))
         # A copy, not a view: a dropout mask is saved for backward, and a
         # view would keep the whole draw (replicas x this block) alive.
-        return whole[layouts.box_slices(box)].clone(memory_format=torch.contiguous_format)
+        return whole[layouts.box_slices(box)].clone(
+            memory_format=torch.contiguous_format
+        )
     (low, high), inner = box[0], (slice(None),) + layouts.box_slices(box[1:])
     per_row = math.prod(shape[1:])
-    groups = sharded_init.row_groups(shape[0], per_row, sharded_init.CHUNK_DRAWS)
-    if len(groups) == 1 and all(lo == 0 and hi == n for (lo, hi), n in zip(box, shape)):
+    groups = sharded_init.row_groups(
+        shape[0], per_row, sharded_init.CHUNK_DRAWS
+    )
+    if len(groups) == 1 and all(
+        lo == 0 and hi == n for (lo, hi), n in zip(box, shape)
+    ):
         return draw(shape, torch.empty(shape, dtype=dtype))
     block = torch.empty(tuple(hi - lo for lo, hi in box), dtype=dtype)
     largest = max(stop - start for start, stop in groups) * per_row
@@ -95,7 +103,9 @@ def _rows_of(draw, shape, box, dtype, device, to_end):
         if start >= high and not to_end:
             break
         chunk_shape = (stop - start,) + shape[1:]
-        chunk = draw(chunk_shape, buffer[: math.prod(chunk_shape)].view(chunk_shape))
+        chunk = draw(
+            chunk_shape, buffer[: math.prod(chunk_shape)].view(chunk_shape)
+        )
         lo, hi = max(start, low), min(stop, high)
         if lo < hi:
             block[lo - low : hi - low] = chunk[lo - start : hi - start][inner]
@@ -130,7 +140,9 @@ def dropout(original, inputs, rate, noise_shape=None, seed=None):
     return inputs * mask  # F.dropout's: input * (bernoulli(1 - p) / (1 - p))
 
 
-@torch._dynamo.disable(reason="keras_torch_distribution: random draws run eagerly")
+@torch._dynamo.disable(
+    reason="keras_torch_distribution: random draws run eagerly"
+)
 def _dropout_mask(inputs, rate, noise_shape, seed):
     """This replica's block of the mask one process would draw: a bool mask
     (seeded) or F.dropout's scaled noise (unseeded), a DTensor laid out as
@@ -141,7 +153,9 @@ def _dropout_mask(inputs, rate, noise_shape, seed):
     shape = tuple(int(n) for n in inputs.shape)  # a DTensor's global shape
     seeded = _keras.dropout_uses_seed(seed, noise_shape)
     if seeded and noise_shape is not None:
-        noise = tuple(shape[i] if n is None else int(n) for i, n in enumerate(noise_shape))
+        noise = tuple(
+            shape[i] if n is None else int(n) for i, n in enumerate(noise_shape)
+        )
         batch_rows = noise_shape[0] is None
     else:
         noise, batch_rows = shape, True
@@ -154,7 +168,9 @@ def _dropout_mask(inputs, rate, noise_shape, seed):
     box = tuple((0, n) for n in noise)
     if sharded:
         placements = tuple(
-            p if isinstance(p, Shard) and noise[p.dim] == shape[p.dim] else Replicate()
+            p
+            if isinstance(p, Shard) and noise[p.dim] == shape[p.dim]
+            else Replicate()
             for p in inputs.placements
         )
         box = layouts.local_box(noise, inputs.device_mesh, placements)
@@ -173,7 +189,9 @@ def _dropout_mask(inputs, rate, noise_shape, seed):
         probability = torch.full((), keep, device=device)
 
         def draw(shape_, out):
-            return out.bernoulli_(probability.expand(shape_), generator=generator)
+            return out.bernoulli_(
+                probability.expand(shape_), generator=generator
+            )
 
         block = _rows_of(draw, global_noise, box, torch.bool, device, False)
     else:
@@ -209,7 +227,9 @@ def normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
         shape,
         dtype or keras.config.floatx(),
         seed,
-        lambda shape_, out, g: torch.normal(mean, stddev, size=shape_, generator=g, out=out),
+        lambda shape_, out, g: torch.normal(
+            mean, stddev, size=shape_, generator=g, out=out
+        ),
     )
     if block is None:
         return original(shape, mean=mean, stddev=stddev, dtype=dtype, seed=seed)
@@ -219,7 +239,9 @@ def normal(original, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
 def uniform(original, shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
     """Keras' torch `uniform`; this replica's rows of a batch-shaped draw."""
     if adapter.batch_rows() is None:
-        return original(shape, minval=minval, maxval=maxval, dtype=dtype, seed=seed)
+        return original(
+            shape, minval=minval, maxval=maxval, dtype=dtype, seed=seed
+        )
     block = _seeded_rows(
         shape,
         dtype or keras.config.floatx(),
@@ -227,7 +249,9 @@ def uniform(original, shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
         lambda shape_, out, g: torch.rand(size=shape_, generator=g, out=out),
     )
     if block is None:
-        return original(shape, minval=minval, maxval=maxval, dtype=dtype, seed=seed)
+        return original(
+            shape, minval=minval, maxval=maxval, dtype=dtype, seed=seed
+        )
     return (maxval - minval) * block + minval  # Keras' arithmetic
 
 
@@ -248,7 +272,9 @@ def randint(original, shape, minval, maxval, dtype="int32", seed=None):
     return block
 
 
-@torch._dynamo.disable(reason="keras_torch_distribution: random draws run eagerly")
+@torch._dynamo.disable(
+    reason="keras_torch_distribution: random draws run eagerly"
+)
 def _seeded_rows(shape, dtype, seed, draw):
     """This replica's rows of `draw` for the global batch, from the
     generator Keras makes for `seed`; None when the draw is not one of a

@@ -78,7 +78,9 @@ def _masked_moments(x, mask, axes, group, scale):
     denominator = weight_sum + keras.config.epsilon()
     mean = total / denominator
     squares = torch.square(torch.where(keep, x - mean, 0))
-    (spread,) = _sum_over_replicas([torch.sum(squares, dim=axes, keepdim=True)], group, scale)
+    (spread,) = _sum_over_replicas(
+        [torch.sum(squares, dim=axes, keepdim=True)], group, scale
+    )
     return torch.squeeze(mean), torch.squeeze(spread / denominator)
 
 

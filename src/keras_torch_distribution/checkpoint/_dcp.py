@@ -34,13 +34,12 @@ import keras
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import staging as dcp_staging
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from keras_torch_distribution.distributed import runtime
 import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._keys as _keys
 from keras_torch_distribution.checkpoint._errors import CheckpointError
@@ -48,6 +47,7 @@ from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
+from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
 
 # Computing checksums while saving; off only to measure what they cost
@@ -109,7 +109,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             "torch.Size and dtypes are admitted. Load only checkpoints you "
             "or your job wrote; this one was made or altered by something "
             "else.",
-            self._path, 0,
+            self._path,
+            0,
         )
 
     def persistent_load(self, pid):
@@ -117,7 +118,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"{self._path!r} holds a persistent reference ({pid!r}), which the "
             "metadata of a checkpoint written by keras_torch_distribution never "
             "holds; refused.",
-            self._path, 0,
+            self._path,
+            0,
         )
 
 
@@ -126,7 +128,8 @@ def _unsafe(path, what):
         f"{path!r} {what}, which a checkpoint written by "
         "keras_torch_distribution never holds; refused. Load only checkpoints "
         "you or your job wrote.",
-        path, 0,
+        path,
+        0,
     )
 
 
@@ -148,10 +151,13 @@ def read_metadata(directory, marker):
                 f"{path!r} cannot be read as DCP metadata "
                 f"({type(error).__name__}: {error}): the file is damaged. Load "
                 "another checkpoint.",
-                path, 0,
+                path,
+                0,
             ) from error
     if not isinstance(metadata, dcp_metadata.Metadata):
-        raise _unsafe(path, f"holds a {type(metadata).__name__}, not DCP Metadata")
+        raise _unsafe(
+            path, f"holds a {type(metadata).__name__}, not DCP Metadata"
+        )
     for key, entry in (metadata.state_dict_metadata or {}).items():
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
             raise _unsafe(path, f"stores {key!r} as {type(entry).__name__}")
@@ -167,11 +173,17 @@ def read_metadata(directory, marker):
             or name in ("", ".", "..")
             or (entries and name not in entries)
         ):
-            raise _unsafe(path, f"points {index.fqn!r} at the file {name!r}, "
-                                "which is not one of the checkpoint's files")
+            raise _unsafe(
+                path,
+                f"points {index.fqn!r} at the file {name!r}, "
+                "which is not one of the checkpoint's files",
+            )
         if info.transform_descriptors:
-            raise _unsafe(path, f"stores {index.fqn!r} through the transforms "
-                                f"{info.transform_descriptors!r}")
+            raise _unsafe(
+                path,
+                f"stores {index.fqn!r} through the transforms "
+                f"{info.transform_descriptors!r}",
+            )
     return metadata
 
 
@@ -275,7 +287,8 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
             cause = _os_error_of(error, stream)
             reason = (
                 f"{cause.strerror or cause} (errno {cause.errno})"
-                if cause is not None else f"{type(error).__name__}: {error}"
+                if cause is not None
+                else f"{type(error).__name__}: {error}"
             )
             rank = runtime.process_id()
             raise CheckpointWriteError(
@@ -283,13 +296,15 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
                 f"{reason}. Free space or raise the limit (df -h, ulimit -f) "
                 "or save elsewhere; the checkpoint was not completed and the "
                 "previous one (if any) is unchanged.",
-                path, rank,
+                path,
+                rank,
             ) from error
         if stream.hashing:
             size = os.path.getsize(path)
             with self._lock:
                 self.written[os.path.basename(path)] = {
-                    "bytes": size, _files.CHECKSUM: _files.crc32_hex(stream.crc)
+                    "bytes": size,
+                    _files.CHECKSUM: _files.crc32_hex(stream.crc),
                 }
 
     @contextlib.contextmanager
@@ -314,7 +329,8 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
                 f"{type(error).__name__}: {what}. "
                 "The file is damaged or was not written completely; load "
                 "another checkpoint.",
-                path, writer,
+                path,
+                writer,
             ) from error
 
     def rename(self, path, new_path):
@@ -356,7 +372,9 @@ def _translated(action, path):
     except CheckpointException as error:
         failures = sorted(error.failures.items())
         ranks = [rank for rank, _ in failures]
-        ours = [(r, e) for r, (e, _) in failures if isinstance(e, CheckpointError)]
+        ours = [
+            (r, e) for r, (e, _) in failures if isinstance(e, CheckpointError)
+        ]
         rank, cause = ours[0] if ours else (failures[0][0], failures[0][1][0])
         if isinstance(cause, CheckpointError):
             if len(ranks) > 1:
@@ -366,7 +384,8 @@ def _translated(action, path):
         raise kind(
             f"Checkpoint {action} of {path!r} failed on rank {rank} (ranks "
             f"{ranks} failed): {type(cause).__name__}: {cause}",
-            path, rank,
+            path,
+            rank,
         ) from error
 
 
@@ -377,7 +396,8 @@ class _OneProcessIsIntended(warnings.catch_warnings):
     def __enter__(self):
         result = super().__enter__()
         warnings.filterwarnings(
-            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+            "ignore",
+            message="torch.distributed is disabled, unavailable or uninitialized",
         )
         return result
 
@@ -437,8 +457,16 @@ def save(model, path, optimizer=True, extra=None):
     """
     path, variables, marker = _begin_save(model, path, optimizer, extra)
     writer = _Writer(path + _files.INCOMPLETE_SUFFIX)
-    with _discarded_on_failure(path), _OneProcessIsIntended(), _translated("save", path):
-        dcp.save(_keys.state_dict(variables), storage_writer=writer, no_dist=_no_dist())
+    with (
+        _discarded_on_failure(path),
+        _OneProcessIsIntended(),
+        _translated("save", path),
+    ):
+        dcp.save(
+            _keys.state_dict(variables),
+            storage_writer=writer,
+            no_dist=_no_dist(),
+        )
     _files.finish(path, marker, writer.fs.written)
     return path
 
@@ -508,7 +536,9 @@ class StagingMemory:
             return None
         structure = _structure(state_dict)
         if structure != self.structure:
-            self.stager = dcp_staging.BlockingAsyncStager(cache_staged_state_dict=True)
+            self.stager = dcp_staging.BlockingAsyncStager(
+                cache_staged_state_dict=True
+            )
             self.structure = structure
         return self.stager
 
@@ -531,10 +561,16 @@ def _structure(state_dict):
     entries = []
     for key, value in sorted(state_dict.items()):
         local = value.to_local() if isinstance(value, DTensor) else value
-        entries.append((
-            key, type(value).__name__, tuple(value.shape), str(value.dtype),
-            tuple(local.shape), str(getattr(value, "placements", None)),
-        ))
+        entries.append(
+            (
+                key,
+                type(value).__name__,
+                tuple(value.shape),
+                str(value.dtype),
+                tuple(local.shape),
+                str(getattr(value, "placements", None)),
+            )
+        )
     return tuple(entries)
 
 
@@ -565,9 +601,17 @@ class PendingCheckpoint:
                 with _unfinished_lock:
                     if self in _unfinished:
                         _unfinished.remove(self)
-                with _discarded_on_failure(self.path, self._group), _translated("save", self.path):
+                with (
+                    _discarded_on_failure(self.path, self._group),
+                    _translated("save", self.path),
+                ):
                     self._future.result()
-                _files.finish(self.path, self._marker, self._writer.fs.written, self._group)
+                _files.finish(
+                    self.path,
+                    self._marker,
+                    self._writer.fs.written,
+                    self._group,
+                )
                 self._done = True
         return self.path
 
@@ -642,7 +686,8 @@ def complete_at_exit():
                 "cannot be completed now: %s is incomplete and will never be "
                 "loaded. Call .result() on every rank before "
                 "destroy_process_group() or exiting.",
-                handle.path, handle.path + _files.INCOMPLETE_SUFFIX,
+                handle.path,
+                handle.path + _files.INCOMPLETE_SUFFIX,
             )
             with _unfinished_lock:
                 _unfinished.remove(handle)
@@ -658,9 +703,9 @@ def complete_at_exit():
         except CheckpointError as error:
             logger.error(
                 "completing checkpoint.async_save to %s at exit failed: %s",
-                handle.path, error,
+                handle.path,
+                error,
             )
-
 
 
 def forget_process_groups():
@@ -700,7 +745,8 @@ def load(model, path, optimizer=True):
     if not _files.file_entries(marker):
         logger.warning(
             "%s was written before checkpoints carried checksums "
-            "(format_version 1): its files cannot be verified.", directory,
+            "(format_version 1): its files cannot be verified.",
+            directory,
         )
     saved = marker["variables"]
     _keys.variables_by_key(model, False)  # raises for an unbuilt model
@@ -714,7 +760,11 @@ def load(model, path, optimizer=True):
     _keys.check_matches(model, path, variables, saved)
     reader = _Reader(directory, marker, metadata)
     with _OneProcessIsIntended(), _translated("load", directory):
-        dcp.load(_keys.state_dict(variables), storage_reader=reader, no_dist=_no_dist())
+        dcp.load(
+            _keys.state_dict(variables),
+            storage_reader=reader,
+            no_dist=_no_dist(),
+        )
     logger.info("loaded %d variables from %s", len(variables), directory)
     return marker.get("extra")
 

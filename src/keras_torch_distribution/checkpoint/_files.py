@@ -33,11 +33,11 @@ import zlib
 
 import torch.distributed as dist
 
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
+from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
 
 FORMAT = "keras_torch_distribution.checkpoint"
@@ -100,7 +100,11 @@ def locate(path):
                 "written there when a process stopped; it is incomplete and "
                 "will never be loaded."
             )
-        what = "does not exist" if not os.path.exists(path) else _missing_files(path)
+        what = (
+            "does not exist"
+            if not os.path.exists(path)
+            else _missing_files(path)
+        )
         raise NotACheckpointError(
             f"{path!r} is not a complete checkpoint: it {what}. Expected a "
             "directory written by keras_torch_distribution.checkpoint.save "
@@ -110,7 +114,8 @@ def locate(path):
         logger.warning(
             "%s: a process stopped while replacing this checkpoint; using the "
             "newest complete one, %s (the next save there tidies up).",
-            path, directory,
+            path,
+            directory,
         )
     return directory, _read_marker_file(directory)
 
@@ -120,7 +125,8 @@ def _missing_files(directory):
     if not os.path.isdir(directory):
         return "is a file, not a checkpoint directory"
     missing = [
-        name for name in (MARKER, METADATA)
+        name
+        for name in (MARKER, METADATA)
         if not os.path.isfile(os.path.join(directory, name))
     ]
     return "has no " + " and no ".join(repr(name) for name in missing)
@@ -140,10 +146,15 @@ def _read_marker_file(directory):
         raise DamagedCheckpointError(
             f"{marker_path!r} is not valid JSON ({error}): the checkpoint's "
             "completion marker is damaged. Load another checkpoint.",
-            marker_path, 0,
+            marker_path,
+            0,
         ) from error
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
-        found = marker.get("format") if isinstance(marker, dict) else type(marker).__name__
+        found = (
+            marker.get("format")
+            if isinstance(marker, dict)
+            else type(marker).__name__
+        )
         raise NotACheckpointError(
             f"{marker_path!r} has format {found!r}, expected {FORMAT!r}. Pass "
             "a directory written by checkpoint.save."
@@ -160,7 +171,8 @@ def _read_marker_file(directory):
             f"{marker_path!r} lists no 'files' (their sizes and checksums), "
             f"which format_version {version} requires: the marker is damaged. "
             "Load another checkpoint.",
-            marker_path, 0,
+            marker_path,
+            0,
         )
     return marker
 
@@ -213,7 +225,8 @@ def _damaged(directory, name, entry, what):
         f"Checkpoint file {path!r} (written by rank {entry.get('rank')}) is "
         f"damaged: {what}. The checkpoint cannot be loaded as it was saved; "
         "load an older checkpoint or save it again.",
-        path, entry.get("rank"),
+        path,
+        entry.get("rank"),
     )
 
 
@@ -228,7 +241,9 @@ def check_size(directory, name, entry):
     if size != entry["bytes"]:
         kind = "truncated" if size < entry["bytes"] else "longer than written"
         raise _damaged(
-            directory, name, entry,
+            directory,
+            name,
+            entry,
             f"it has {size} bytes, its writer wrote {entry['bytes']} ({kind})",
         )
 
@@ -240,7 +255,9 @@ def verify_file(directory, name, entry):
     _, crc = file_checksum(os.path.join(directory, name))
     if crc != entry[CHECKSUM]:
         raise _damaged(
-            directory, name, entry,
+            directory,
+            name,
+            entry,
             f"its CRC-32 is {crc}, its writer recorded {entry[CHECKSUM]} (its "
             "bytes changed after it was written: a flipped bit, a partial copy "
             "or another program)",
@@ -310,7 +327,8 @@ def _portable(error):
     except Exception:  # an exception type that cannot cross processes
         return CheckpointReadError(
             f"on rank {runtime.process_id()}: {type(error).__name__}: {error}",
-            None, runtime.process_id(),
+            None,
+            runtime.process_id(),
         )
     return error
 
@@ -337,7 +355,8 @@ def prepare_directory(path, group=None):
                 f"{error.strerror or error} ({error.filename or path!r}). Choose "
                 "a folder this job can write to, or make it writable (e.g. "
                 "`chmod u+w` on the folder).",
-                path, 0,
+                path,
+                0,
             ) from error
 
     agree(make_temporary, group)
@@ -355,7 +374,8 @@ def discard_incomplete(path, group=None):
             logger.error(
                 "could not remove %s after the failed save: %s; remove it by "
                 "hand (it is incomplete and will never be loaded).",
-                temporary, error,
+                temporary,
+                error,
             )
     barrier(group)
 
@@ -376,7 +396,9 @@ def finish(path, marker, written, group=None):
             for name, entry in rank_files.items():
                 files[name] = dict(entry, rank=rank)
         marker = dict(marker, checksum=CHECKSUM, files=files)
-        write_json_atomically(os.path.join(path + INCOMPLETE_SUFFIX, MARKER), marker)
+        write_json_atomically(
+            os.path.join(path + INCOMPLETE_SUFFIX, MARKER), marker
+        )
         settle(path)
     barrier(group)
 

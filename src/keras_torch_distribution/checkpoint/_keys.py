@@ -21,7 +21,7 @@ OPTIMIZER_PREFIX = "optimizer/"
 
 
 def _strip(prefix, path):
-    return path[len(prefix):] if path.startswith(prefix) else path
+    return path[len(prefix) :] if path.startswith(prefix) else path
 
 
 def _model_keys(model):
@@ -107,9 +107,7 @@ def model_keys_only(saved):
 def state_dict(variables):
     """{key: tensor} that DCP reads from and loads into: each variable's own
     storage (a DTensor for a sharded variable), without autograd."""
-    return {
-        key: _keras.raw_value(v).detach() for key, v in variables.items()
-    }
+    return {key: _keras.raw_value(v).detach() for key, v in variables.items()}
 
 
 def optimizer_ready_for(model, saved_keys):
@@ -135,7 +133,9 @@ def check_matches(model, path, variables, saved):
         return
     lines = [f"Checkpoint {path!r} does not match model {model.name!r}:"]
     if missing:
-        lines.append(f"- missing from the checkpoint ({len(missing)}): {missing}")
+        lines.append(
+            f"- missing from the checkpoint ({len(missing)}): {missing}"
+        )
     if unexpected:
         lines.append(
             f"- in the checkpoint but not in the model ({len(unexpected)}): "
@@ -154,4 +154,6 @@ def check_matches(model, path, variables, saved):
             "with another optimizer)"
         )
     lines.append(hint + ".")
-    raise CheckpointMismatchError("\n".join(lines), missing, unexpected, mismatched)
+    raise CheckpointMismatchError(
+        "\n".join(lines), missing, unexpected, mismatched
+    )

@@ -6,19 +6,23 @@ import shutil
 
 import keras
 
-from keras_torch_distribution import _keras
-from keras_torch_distribution.distributed import runtime
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
+from keras_torch_distribution import _keras
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
+from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
 # A checkpoint's name, or what a save or removal of it leaves while running.
 _ANY_STATE = re.compile(
-    r"^(ckpt-(\d+))(%s|%s|%s)?$" % tuple(
-        re.escape(s) for s in (
-            _files.INCOMPLETE_SUFFIX, _files.OLD_SUFFIX, _files.REMOVING_SUFFIX
+    r"^(ckpt-(\d+))(%s|%s|%s)?$"
+    % tuple(
+        re.escape(s)
+        for s in (
+            _files.INCOMPLETE_SUFFIX,
+            _files.OLD_SUFFIX,
+            _files.REMOVING_SUFFIX,
         )
     )
 )
@@ -42,7 +46,8 @@ def latest(directory):
     if not os.path.isdir(directory):
         return None
     complete = [
-        (step, path) for step, path in _steps(directory).items()
+        (step, path)
+        for step, path in _steps(directory).items()
         if _files.is_checkpoint(path)
     ]
     return max(complete)[1] if complete else None
@@ -120,10 +125,14 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         if self.restore:
             found = latest(self.directory)
             if found is not None:
-                extra = _dcp.load(self.model, found, optimizer=self.optimizer) or {}
+                extra = (
+                    _dcp.load(self.model, found, optimizer=self.optimizer) or {}
+                )
                 self._step = int(extra.get("step", 0))
                 _keras.set_initial_epoch(self.model, int(extra.get("epoch", 0)))
-                logger.info("resuming from %s (epoch %s)", found, extra.get("epoch"))
+                logger.info(
+                    "resuming from %s (epoch %s)", found, extra.get("epoch")
+                )
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -157,7 +166,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         path = os.path.join(self.directory, f"ckpt-{self._step:09d}")
         extra = {"epoch": epoch, "batch": batch, "step": self._step}
         if self.async_save:
-            self._pending = _dcp.async_save(self.model, path, self.optimizer, extra)
+            self._pending = _dcp.async_save(
+                self.model, path, self.optimizer, extra
+            )
         else:
             _dcp.save(self.model, path, self.optimizer, extra)
             tidy(self.directory, self.max_to_keep)
@@ -194,14 +205,18 @@ def backup_save(original, callback):
         if callback.double_checkpoint:
             _files.settle(latest_path)
             if _files.has_marker(latest_path):
-                previous = os.path.join(callback.backup_dir, PREVIOUS_BACKUP_NAME)
+                previous = os.path.join(
+                    callback.backup_dir, PREVIOUS_BACKUP_NAME
+                )
                 _files.settle(previous)
                 if os.path.exists(previous):
                     _files.remove_checkpoint(previous)
                 _files.rename(latest_path, previous)
     _files.barrier()
     epoch, batch = _keras.backup_position(callback)
-    _dcp.save(callback.model, latest_path, extra={"epoch": epoch, "batch": batch})
+    _dcp.save(
+        callback.model, latest_path, extra={"epoch": epoch, "batch": batch}
+    )
 
 
 def backup_load(original, callback):
@@ -211,7 +226,9 @@ def backup_load(original, callback):
         return original(callback)  # Keras' error for an unbuilt model
     candidates = [os.path.join(callback.backup_dir, BACKUP_NAME)]
     if callback.double_checkpoint:
-        candidates.append(os.path.join(callback.backup_dir, PREVIOUS_BACKUP_NAME))
+        candidates.append(
+            os.path.join(callback.backup_dir, PREVIOUS_BACKUP_NAME)
+        )
     candidates = [path for path in candidates if _files.is_checkpoint(path)]
     for index, path in enumerate(candidates):
         try:
@@ -221,12 +238,18 @@ def backup_load(original, callback):
                 raise
             logger.error(
                 "BackupAndRestore: the backup %s is damaged (%s); resuming "
-                "from the one before it, %s.", path, error, candidates[index + 1],
+                "from the one before it, %s.",
+                path,
+                error,
+                candidates[index + 1],
             )
             continue
         _keras.set_initial_epoch(model, int(extra.get("epoch", 0)))
-        logger.info("BackupAndRestore: resuming at epoch %s from %s",
-                    extra.get("epoch"), path)
+        logger.info(
+            "BackupAndRestore: resuming at epoch %s from %s",
+            extra.get("epoch"),
+            path,
+        )
         return None
     return original(callback)
 

@@ -17,9 +17,9 @@ import torch
 
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
-from keras_torch_distribution.variables import left_whole
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._keys import MODEL_PREFIX
+from keras_torch_distribution.variables import left_whole
 
 
 def verify(path):
@@ -35,7 +35,8 @@ def verify(path):
             f"Checkpoint {directory!r} is damaged: {len(damaged)} files differ "
             "from what their writers recorded:\n"
             + "\n".join(f"- {error}" for error in damaged),
-            directory, damaged[0].rank,
+            directory,
+            damaged[0].rank,
         )
     return directory, marker, _dcp.read_metadata(directory, marker)
 
@@ -54,20 +55,26 @@ def checkpoint_table(path):
     for key, entry in sorted(metadata.state_dict_metadata.items()):
         blocks = []
         for chunk in entry.chunks:
-            rank, nbytes = writers.get((key, tuple(chunk.offsets)), (None, None))
-            blocks.append({
-                "rank": rank,
-                "offsets": tuple(chunk.offsets),
-                "shape": tuple(chunk.sizes),
-                "bytes": nbytes,
-            })
-        rows.append({
-            "key": key,
-            "shape": tuple(entry.size),
-            "dtype": str(entry.properties.dtype).replace("torch.", ""),
-            "blocks": blocks,
-            "verified": verified,
-        })
+            rank, nbytes = writers.get(
+                (key, tuple(chunk.offsets)), (None, None)
+            )
+            blocks.append(
+                {
+                    "rank": rank,
+                    "offsets": tuple(chunk.offsets),
+                    "shape": tuple(chunk.sizes),
+                    "bytes": nbytes,
+                }
+            )
+        rows.append(
+            {
+                "key": key,
+                "shape": tuple(entry.size),
+                "dtype": str(entry.properties.dtype).replace("torch.", ""),
+                "blocks": blocks,
+                "verified": verified,
+            }
+        )
     _mark_whole(rows, marker.get("num_processes", 1))
     return rows
 
@@ -77,14 +84,20 @@ def _mark_whole(rows, num_processes):
     a checkpoint of several processes (held whole on every rank)."""
     model_rows = [r for r in rows if r["key"].startswith(MODEL_PREFIX)]
     sizes = {
-        r["key"]: left_whole.global_bytes(r["shape"], getattr(torch, r["dtype"]))
+        r["key"]: left_whole.global_bytes(
+            r["shape"], getattr(torch, r["dtype"])
+        )
         for r in model_rows
     }
     total = sum(sizes.values())
     for row in model_rows:
         blocks = row["blocks"]
-        one_block = len(blocks) == 1 and tuple(blocks[0]["shape"]) == tuple(row["shape"])
-        axes = left_whole.suggested_axes(row["shape"], {"batch": num_processes}, "batch")
+        one_block = len(blocks) == 1 and tuple(blocks[0]["shape"]) == tuple(
+            row["shape"]
+        )
+        axes = left_whole.suggested_axes(
+            row["shape"], {"batch": num_processes}, "batch"
+        )
         if (
             num_processes > 1
             and one_block
@@ -93,7 +106,9 @@ def _mark_whole(rows, num_processes):
         ):
             row["whole"] = {
                 "share": sizes[row["key"]] / total,
-                "key": left_whole.layout_map_key(row["key"][len(MODEL_PREFIX):]),
+                "key": left_whole.layout_map_key(
+                    row["key"][len(MODEL_PREFIX) :]
+                ),
                 "axes": axes,
             }
 
@@ -107,12 +122,17 @@ def format_checkpoint_table(rows):
             f"{b['rank']}: {b['offsets']}+{b['shape']}" for b in row["blocks"]
         )
         mark = "  WHOLE" if row.get("whole") else ""
-        lines.append(f"{row['key'][:44]:44} {str(row['shape']):>16} {row['dtype']:>9}  {blocks}{mark}")
+        lines.append(
+            f"{row['key'][:44]:44} {str(row['shape']):>16} {row['dtype']:>9}  {blocks}{mark}"
+        )
         for b in row["blocks"]:
             totals[b["rank"]] = totals.get(b["rank"], 0) + (b["bytes"] or 0)
     lines.append(
         "bytes written per rank: "
-        + ", ".join(f"rank {r}: {n:,}" for r, n in sorted(totals.items(), key=lambda kv: str(kv[0])))
+        + ", ".join(
+            f"rank {r}: {n:,}"
+            for r, n in sorted(totals.items(), key=lambda kv: str(kv[0]))
+        )
     )
     for row in rows:
         whole = row.get("whole")
@@ -124,7 +144,11 @@ def format_checkpoint_table(rows):
                 f"{whole['axes']} (the batch axis named as in your mesh)"
             )
     if rows and all(row.get("verified") for row in rows):
-        lines.append("intact: every file has the size and CRC-32 its writer recorded")
+        lines.append(
+            "intact: every file has the size and CRC-32 its writer recorded"
+        )
     elif rows:
-        lines.append("not verified: written before checkpoints carried checksums")
+        lines.append(
+            "not verified: written before checkpoints carried checksums"
+        )
     return "\n".join(lines)

@@ -54,11 +54,23 @@ def describe(method, model, args, kwargs):
     distribution = _keras.current_distribution()
     x = args[0] if args else kwargs.get("x")
     y = args[1] if len(args) > 1 else kwargs.get("y")
-    settings = {k: v for k, v in kwargs.items() if k in (
-        "batch_size", "epochs", "steps_per_epoch", "steps", "initial_epoch",
-        "validation_split", "validation_steps", "validation_batch_size",
-        "validation_freq", "shuffle",
-    )}
+    settings = {
+        k: v
+        for k, v in kwargs.items()
+        if k
+        in (
+            "batch_size",
+            "epochs",
+            "steps_per_epoch",
+            "steps",
+            "initial_epoch",
+            "validation_split",
+            "validation_steps",
+            "validation_batch_size",
+            "validation_freq",
+            "shuffle",
+        )
+    }
     items = [
         ("call", method),
         ("arguments", repr(sorted(settings.items()))),
@@ -78,7 +90,10 @@ def variable_items(variables):
         layout = getattr(variable, "_ktd_layout", None)
         axes = tuple(layout.axes) if layout is not None else None
         items.append(
-            (f"variable {variable.path}", f"{tuple(variable.shape)} {variable.dtype} {axes}")
+            (
+                f"variable {variable.path}",
+                f"{tuple(variable.shape)} {variable.dtype} {axes}",
+            )
         )
     return items
 
@@ -94,15 +109,23 @@ def input_digest(x):
     """A digest of the rows of an array input (numpy arrays, tensors, and
     dicts / lists / tuples of them), from evenly spaced sampled rows and the
     shapes; None for other inputs (generators, datasets)."""
-    leaves = [t for t in keras.tree.flatten(x) if t is not None] if x is not None else []
-    if not leaves or not all(hasattr(t, "shape") and len(t.shape) for t in leaves):
+    leaves = (
+        [t for t in keras.tree.flatten(x) if t is not None]
+        if x is not None
+        else []
+    )
+    if not leaves or not all(
+        hasattr(t, "shape") and len(t.shape) for t in leaves
+    ):
         return None
     if not all(isinstance(t, np.ndarray) or torch.is_tensor(t) for t in leaves):
         return None
     digest = hashlib.sha256()
     for leaf in leaves:
         rows = int(leaf.shape[0])
-        picked = np.unique(np.linspace(0, rows - 1, min(rows, _SAMPLED_ROWS)).astype(int))
+        picked = np.unique(
+            np.linspace(0, rows - 1, min(rows, _SAMPLED_ROWS)).astype(int)
+        )
         if torch.is_tensor(leaf):
             picked = torch.as_tensor(picked)
         sample = np.ascontiguousarray(_keras.convert_to_numpy(leaf[picked]))
@@ -115,7 +138,10 @@ def _warn_if_replicas_repeat(method, gathered):
     """Per-process inputs (auto_shard_dataset=False) are each replica's part
     of the global batch: when every replica passes the same rows, warn."""
     group = replicas.current()
-    if not group.is_distributed or _keras.current_distribution().auto_shard_dataset:
+    if (
+        not group.is_distributed
+        or _keras.current_distribution().auto_shard_dataset
+    ):
         return
     by_replica = {index: data for _, _, data, index in gathered}
     digests = set(by_replica.values())
@@ -129,7 +155,10 @@ def _warn_if_replicas_repeat(method, gathered):
             "data. Pass each process its part (e.g. x[replica::%d], one "
             "replica per coordinate of the mesh's batch axis), or leave "
             "auto_shard_dataset=True and pass the whole data on every process.",
-            method, group.count, group.count, group.count,
+            method,
+            group.count,
+            group.count,
+            group.count,
         )
 
 
@@ -143,7 +172,9 @@ def check(method, model, args, kwargs):
         return
     x = args[0] if args else kwargs.get("x")
     data = None if distribution.auto_shard_dataset else input_digest(x)
-    gathered = compare(f"{method}()", describe(method, model, args, kwargs), data)
+    gathered = compare(
+        f"{method}()", describe(method, model, args, kwargs), data
+    )
     _warn_if_replicas_repeat(method, gathered)
 
 
@@ -157,11 +188,18 @@ def compare(doing, items, data=None):
     differ. Collective: call on every rank."""
     digest = hashlib.sha256(repr(items).encode()).hexdigest()[:16]
     header = torch.tensor(
-        [_code(_kind(doing)), _code(digest), _code(data), replicas.current().index],
+        [
+            _code(_kind(doing)),
+            _code(digest),
+            _code(data),
+            replicas.current().index,
+        ],
         dtype=torch.int64,
     )
     group = runtime.cpu_group()
-    gathered = [torch.empty_like(header) for _ in range(runtime.num_processes())]
+    gathered = [
+        torch.empty_like(header) for _ in range(runtime.num_processes())
+    ]
     dist.all_gather(gathered, header, group=group)
     gathered = [tuple(int(v) for v in entry) for entry in gathered]
     if len({entry[:2] for entry in gathered}) == 1:
@@ -170,7 +208,9 @@ def compare(doing, items, data=None):
     dist.all_gather_object(everyone, (doing, dict(items)), group=group)
     if len({_kind(d) for d, _ in everyone}) > 1:
         raise RanksDisagreeError(_different_programs([d for d, _ in everyone]))
-    raise RanksDisagreeError(first_difference([i for _, i in everyone], _kind(doing)))
+    raise RanksDisagreeError(
+        first_difference([i for _, i in everyone], _kind(doing))
+    )
 
 
 def _code(text):
@@ -192,7 +232,9 @@ def _sides(values):
     groups = {}
     for rank, value in enumerate(values):
         groups.setdefault(value, []).append(rank)
-    return "; ".join(f"ranks {ranks}: {value}" for value, ranks in groups.items())
+    return "; ".join(
+        f"ranks {ranks}: {value}" for value, ranks in groups.items()
+    )
 
 
 def _different_programs(doings):

@@ -36,13 +36,24 @@ KINDS = {
         "reduce_scatter_tensor",
         "reduce_scatter_tensor_coalesced",
     ),
-    "all_reduce": ("allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_coalesced"),
+    "all_reduce": (
+        "allreduce_",
+        "allreduce_coalesced_",
+        "all_reduce",
+        "all_reduce_coalesced",
+    ),
 }
 _KIND_OF = {name: kind for kind, names in KINDS.items() for name in names}
 
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-_NOT_COUNTED = ("wait_tensor", "wait", "barrier", "monitored_barrier", "_wrap_tensor_autograd")
+_NOT_COUNTED = (
+    "wait_tensor",
+    "wait",
+    "barrier",
+    "monitored_barrier",
+    "_wrap_tensor_autograd",
+)
 
 
 class _Counter(TorchDispatchMode):

@@ -61,7 +61,9 @@ class FlatBucket:
         when given); with `async_op`, `wait()` before reading it. Returns
         self. Collective: call on every rank."""
         if scale != 1.0:
-            scaled = self.flat if scaled_numel is None else self.flat[:scaled_numel]
+            scaled = (
+                self.flat if scaled_numel is None else self.flat[:scaled_numel]
+            )
             scaled.mul_(scale)
         self.work = dist.all_reduce(self.flat, group=group, async_op=async_op)
         return self
@@ -91,8 +93,9 @@ class FlatBucket:
             offset += n
 
 
-def all_reduce(tensors, group, scale=1.0, bucket_bytes=SYNC_BUCKET_BYTES,
-               unscaled=()):
+def all_reduce(
+    tensors, group, scale=1.0, bucket_bytes=SYNC_BUCKET_BYTES, unscaled=()
+):
     """Sum `tensors` in place over `group`, each rank's first multiplied by
     `scale` (1 / replicas for a mean), in flat buckets of `bucket_bytes`
     (None: one per dtype and device). `unscaled` tensors (one dtype and
@@ -120,6 +123,8 @@ def broadcast(tensors, source, group, bucket_bytes=SYNC_BUCKET_BYTES):
     """Write the values of global rank `source` into `tensors` on every rank
     of `group`, in flat buckets of `bucket_bytes` (boolean tensors travel
     as bytes). Collective: call on every rank."""
-    views = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in tensors]
+    views = [
+        t.view(torch.uint8) if t.dtype == torch.bool else t for t in tensors
+    ]
     for bucket in buckets(views, bucket_bytes):
         FlatBucket(bucket).broadcast(source, group).copy_back()

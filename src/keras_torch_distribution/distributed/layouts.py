@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import warn_once
 
+
 class TorchMeshCache:
     """The torch mesh of each Keras mesh configuration, built once.
 
@@ -101,8 +102,11 @@ def to_torch_mesh(keras_mesh):
     kinds = {str(d).split(":")[0].lower() for d in devices}
     device_type = "cuda" if kinds & {"gpu", "cuda"} else "cpu"
     if device_type == "cuda" and not runtime.uses_cuda():
-        why = ("KTD_DEVICE=cpu runs this process on the CPU" if torch.cuda.is_available()
-               else "CUDA is not available in this process")
+        why = (
+            "KTD_DEVICE=cpu runs this process on the CPU"
+            if torch.cuda.is_available()
+            else "CUDA is not available in this process"
+        )
         raise ValueError(
             f"DeviceMesh devices {list(devices)} are GPUs, but {why}. Use "
             "keras.distribution.list_devices() for this run's devices."
@@ -231,9 +235,7 @@ def without_axis(torch_layout, axis_name):
         return torch_layout
     placements = list(torch_layout.placements)
     placements[index] = Replicate()
-    axes = tuple(
-        _drop_name(entry, axis_name) for entry in torch_layout.axes
-    )
+    axes = tuple(_drop_name(entry, axis_name) for entry in torch_layout.axes)
     return TorchLayout(torch_layout.mesh, tuple(placements), axes)
 
 
@@ -334,7 +336,9 @@ def uneven_dims(value):
     pieces = {}
     for axis, placement in enumerate(value.placements):
         if isinstance(placement, Shard):
-            pieces[placement.dim] = pieces.get(placement.dim, 1) * value.device_mesh.size(axis)
+            pieces[placement.dim] = pieces.get(
+                placement.dim, 1
+            ) * value.device_mesh.size(axis)
     return [
         (d, int(value.shape[d]), n)
         for d, n in sorted(pieces.items())

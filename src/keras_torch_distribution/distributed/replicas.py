@@ -67,7 +67,10 @@ def current():
         return last_replicas
     if not runtime.is_multi_process():
         return _SINGLE
-    key = (layouts.mesh_key(distribution.device_mesh), distribution.batch_dim_name)
+    key = (
+        layouts.mesh_key(distribution.device_mesh),
+        distribution.batch_dim_name,
+    )
     replicas = cache.by_key.get(key)
     if replicas is None:
         replicas = _build(distribution)

@@ -76,7 +76,9 @@ def keep_keras_on_cpu():
             "(or set it to cpu), or unset KTD_DEVICE to run on CUDA."
         )
     _keras.set_default_torch_device("cpu")
-    logger.info("KTD_DEVICE=cpu: Keras' torch device is 'cpu' (it was %r)", current)
+    logger.info(
+        "KTD_DEVICE=cpu: Keras' torch device is 'cpu' (it was %r)", current
+    )
 
 
 def _backend():
@@ -95,7 +97,11 @@ def detect_launch(job_addresses=None, num_processes=None, process_id=None):
     rank, local rank, or the processes it would start). `ktd env` shows it.
     """
     return environments.detect(
-        os.environ, local_device_count(), job_addresses, num_processes, process_id
+        os.environ,
+        local_device_count(),
+        job_addresses,
+        num_processes,
+        process_id,
     )
 
 
@@ -113,7 +119,9 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     _start(job_addresses, num_processes, process_id)
 
 
-def _start(job_addresses=None, num_processes=None, process_id=None, first_use=None):
+def _start(
+    job_addresses=None, num_processes=None, process_id=None, first_use=None
+):
     """initialize(); `first_use` names what started it when the script did
     not call initialize() (then no process is ever started)."""
     if is_initialized():
@@ -128,18 +136,33 @@ def _start(job_addresses=None, num_processes=None, process_id=None, first_use=No
             "keras.distribution.initialize() was not called: %s starts the process "
             "group now from the launcher's environment (RANK=%d, WORLD_SIZE=%d, "
             "MASTER_ADDR=%s, MASTER_PORT=%s; %s)",
-            first_use, launch.rank, launch.world, launch.address, launch.port,
+            first_use,
+            launch.rank,
+            launch.world,
+            launch.address,
+            launch.port,
             launch.environment,
         )
     if launch.start == environments.SINGLE:
-        _init_process_group(store=dist.HashStore(), world_size=1, rank=0, timeout=timeout,
-                            local_rank=0)
+        _init_process_group(
+            store=dist.HashStore(),
+            world_size=1,
+            rank=0,
+            timeout=timeout,
+            local_rank=0,
+        )
     elif launch.init_method == "env://":
-        _init_process_group(init_method="env://", timeout=timeout,
-                            local_rank=launch.local_rank)
+        _init_process_group(
+            init_method="env://", timeout=timeout, local_rank=launch.local_rank
+        )
     else:
-        _init_process_group(init_method=launch.init_method, world_size=launch.world,
-                            rank=launch.rank, timeout=timeout, local_rank=launch.local_rank)
+        _init_process_group(
+            init_method=launch.init_method,
+            world_size=launch.world,
+            rank=launch.rank,
+            timeout=timeout,
+            local_rank=launch.local_rank,
+        )
     seeds.initialize_rng(cpu_group() if is_multi_process() else None)
     logger.info(
         "initialized rank %d of %d (%s; %s)",
@@ -158,15 +181,22 @@ def _start_processes_or_fall_back(launch, first_use):
     if reason is None:
         logger.info(
             "starting %d processes on this node (%s; ranks %d to %d of %d)",
-            launch.nproc, launch.environment, launch.node_rank * launch.nproc,
-            (launch.node_rank + 1) * launch.nproc - 1, launch.world,
+            launch.nproc,
+            launch.environment,
+            launch.node_rank * launch.nproc,
+            (launch.node_rank + 1) * launch.nproc - 1,
+            launch.world,
         )
         spawn.start_processes(launch, timeout_seconds())  # exits
     n = launch.nproc
     fix = (
         f"Start the script with `ktd run -n {n} script.py` (or torchrun "
         f"--nproc-per-node {n})"
-        + (", or call keras.distribution.initialize() at its top" if first_use else "")
+        + (
+            ", or call keras.distribution.initialize() at its top"
+            if first_use
+            else ""
+        )
     )
     if launch.fallback is None:
         raise ValueError(
@@ -175,12 +205,19 @@ def _start_processes_or_fall_back(launch, first_use):
             "job_addresses='host:port' (process 0's) and its process_id."
         )
     fallback = launch.fallback
-    alone = ("alone" if fallback.world == 1 else
-             f"as rank {fallback.rank} of {fallback.world}, one process per node")
+    alone = (
+        "alone"
+        if fallback.world == 1
+        else f"as rank {fallback.rank} of {fallback.world}, one process per node"
+    )
     logger.warning(
         "%d processes could run on this node (%s: one per device), but %s: this "
         "process runs %s, on one device. %s to use every device.",
-        n, launch.environment, reason, alone, fix,
+        n,
+        launch.environment,
+        reason,
+        alone,
+        fix,
     )
     return fallback
 
@@ -230,8 +267,14 @@ def shutdown():
     return destroyed
 
 
-def _init_process_group(init_method=None, store=None, world_size=-1, rank=-1,
-                        timeout=None, local_rank=0):
+def _init_process_group(
+    init_method=None,
+    store=None,
+    world_size=-1,
+    rank=-1,
+    timeout=None,
+    local_rank=0,
+):
     """init_process_group with every wait bounded by `timeout`.
 
     The rendezvous (for an init_method) runs first, bounded by
@@ -243,11 +286,17 @@ def _init_process_group(init_method=None, store=None, world_size=-1, rank=-1,
     split from the world's communicator); its own waits are bounded by
     `timeout`.
     """
-    where = {"init_method": init_method, "rank": rank, "world_size": world_size,
-             "timeout": timeout}
+    where = {
+        "init_method": init_method,
+        "rank": rank,
+        "world_size": world_size,
+        "timeout": timeout,
+    }
     try:
         if store is None:
-            store, rank, world_size = _rendezvous(init_method, rank, world_size, timeout)
+            store, rank, world_size = _rendezvous(
+                init_method, rank, world_size, timeout
+            )
             store.set_timeout(timeout)
         bound = {}
         if uses_cuda():
@@ -258,8 +307,12 @@ def _init_process_group(init_method=None, store=None, world_size=-1, rank=-1,
             if _TAKES_DEVICE_ID:
                 bound["device_id"] = torch.device("cuda", index)
         dist.init_process_group(
-            backend=_backend(), store=store, world_size=world_size, rank=rank,
-            timeout=timeout, **bound,
+            backend=_backend(),
+            store=store,
+            world_size=world_size,
+            rank=rank,
+            timeout=timeout,
+            **bound,
         )
         started.group = dist.group.WORLD
     except (RuntimeError, ValueError, TimeoutError) as error:
@@ -267,7 +320,9 @@ def _init_process_group(init_method=None, store=None, world_size=-1, rank=-1,
 
 
 # torch >= 2.3 binds a process group to a device with `device_id=`.
-_TAKES_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters
+_TAKES_DEVICE_ID = (
+    "device_id" in inspect.signature(dist.init_process_group).parameters
+)
 
 
 def _local_rank_from_store(store, rank, world_size):
@@ -282,7 +337,10 @@ def _local_rank_from_store(store, rank, world_size):
     local = int(store.add(f"ktd/local_rank/{host}", 1)) - 1
     logger.info(
         "rank %d: no LOCAL_RANK was set; it is process %d of host %s (counted "
-        "on the rendezvous store) and uses GPU %d", rank, local, host,
+        "on the rendezvous store) and uses GPU %d",
+        rank,
+        local,
+        host,
         local % torch.cuda.device_count(),
     )
     return local
@@ -322,9 +380,11 @@ def _rendezvous(init_method, rank, world_size, timeout):
 
 
 def _coordinator(init_method):
-    """"host:port" of the store that `init_method` names, for messages."""
+    """ "host:port" of the store that `init_method` names, for messages."""
     if init_method == "env://":
-        return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        return (
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        )
     return urlparse(init_method or "").netloc or str(init_method)
 
 
@@ -353,7 +413,10 @@ def _start_failure_message(error, where):
             "(job_addresses='host:PORT', or MASTER_PORT), or stop the program "
             "that holds it."
         )
-    elif isinstance(error, TimeoutError) and "no torch.distributed store answered" in text:
+    elif (
+        isinstance(error, TimeoutError)
+        and "no torch.distributed store answered" in text
+    ):
         advice = (
             "Either process 0 has not started its coordinator there (start it, "
             "or raise KTD_TIMEOUT_SECONDS if it starts slowly), or another "
@@ -400,7 +463,11 @@ class CpuGroup:
         group = self._groups.get(world)
         if group is None:
             self._groups.clear()  # a group of a destroyed world is dead
-            group = world if carries_cpu_tensors(world) else dist.new_group(backend="gloo")
+            group = (
+                world
+                if carries_cpu_tensors(world)
+                else dist.new_group(backend="gloo")
+            )
             self._groups[world] = group
         return group
 

@@ -71,11 +71,18 @@ def _masked_gradients_left_out(strategy):
 
     def strategy_without_masked_gradients(op, args_schema, kwargs_schema):
         strategies = strategy(op, args_schema, kwargs_schema)
-        mask = args_schema[10] if len(args_schema) > 10 else kwargs_schema.get("output_mask")
+        mask = (
+            args_schema[10]
+            if len(args_schema) > 10
+            else kwargs_schema.get("output_mask")
+        )
         if mask is None or all(mask):
             return strategies
         return [
-            [None if i < len(mask) and not mask[i] else p for i, p in enumerate(s)]
+            [
+                None if i < len(mask) and not mask[i] else p
+                for i, p in enumerate(s)
+            ]
             for s in strategies
         ]
 
@@ -126,26 +133,48 @@ def _logsumexp(args):
 # their schemas (see `torch.ops.aten.<op>.default._schema`).
 _ATTENTION_RESULTS = {
     "_scaled_dot_product_flash_attention_for_cpu": lambda a: [HEADS, HEADS],
-    "_scaled_dot_product_flash_attention_for_cpu_backward": lambda a: [HEADS] * 3,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": lambda a: (
+        [HEADS] * 3
+    ),
     # output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state,
     # unused, debug_attn_mask
     "_scaled_dot_product_flash_attention": lambda a: [
-        HEADS, HEADS, None, None, None, None, BOOK, None,
+        HEADS,
+        HEADS,
+        None,
+        None,
+        None,
+        None,
+        BOOK,
+        None,
         HEADS if a["return_debug_mask"] else BOOK,
     ],
     "_scaled_dot_product_flash_attention_backward": lambda a: [HEADS] * 3,
     # output, log_sumexp, philox_seed, philox_offset
     "_scaled_dot_product_efficient_attention": lambda a: [
-        HEADS, _logsumexp(a), None, None,
+        HEADS,
+        _logsumexp(a),
+        None,
+        None,
     ],
     # grad query, key, value, attn_bias
     "_scaled_dot_product_efficient_attention_backward": lambda a: [
-        HEADS, HEADS, HEADS, MASK if a["attn_bias"] is not None else None,
+        HEADS,
+        HEADS,
+        HEADS,
+        MASK if a["attn_bias"] is not None else None,
     ],
     # output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed,
     # philox_offset, debug_attn_mask
     "_scaled_dot_product_cudnn_attention": lambda a: [
-        HEADS, _logsumexp(a), None, None, None, None, None, None,
+        HEADS,
+        _logsumexp(a),
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
         HEADS if a["return_debug_mask"] else None,
     ],
     "_scaled_dot_product_cudnn_attention_backward": lambda a: [HEADS] * 3,
@@ -162,7 +191,11 @@ def _mask_placement(mask, query, dim):
     dims), replicated where it broadcasts."""
     shape = _shape(mask)
     mask_dim = len(shape) - 4 + dim
-    if mask_dim < 0 or shape[mask_dim] == 1 or shape[mask_dim] != _shape(query)[dim]:
+    if (
+        mask_dim < 0
+        or shape[mask_dim] == 1
+        or shape[mask_dim] != _shape(query)[dim]
+    ):
         return Replicate()
     return Shard(mask_dim)
 
@@ -192,9 +225,13 @@ def _fixed_mask_placement(mask, op):
 def _attention_rule(op):
     schema = op._schema
     names = [argument.name for argument in schema.arguments]
-    kwarg_only = {argument.name for argument in schema.arguments if argument.kwarg_only}
+    kwarg_only = {
+        argument.name for argument in schema.arguments if argument.kwarg_only
+    }
     defaults = {
-        argument.name: argument.default_value if argument.has_default_value() else None
+        argument.name: argument.default_value
+        if argument.has_default_value()
+        else None
         for argument in schema.arguments
     }
     results = _ATTENTION_RESULTS[schema.name.split("::")[-1]]
@@ -206,9 +243,13 @@ def _attention_rule(op):
         # DTensor passes tensors to rules as specs carrying a tensor_meta.
         tensors = {n for n in names if hasattr(bound[n], "tensor_meta")}
         query = bound["query"]
-        mask_name = next((n for n in ("attn_mask", "attn_bias") if n in tensors), None)
+        mask_name = next(
+            (n for n in ("attn_mask", "attn_bias") if n in tensors), None
+        )
         mask = bound[mask_name] if mask_name else None
-        fixed = _fixed_mask_placement(mask, op) if mask_name in kwarg_only else None
+        fixed = (
+            _fixed_mask_placement(mask, op) if mask_name in kwarg_only else None
+        )
         # A tensor argument of a role not listed (a newer torch's): only the
         # replicated strategy is known to be right.
         known = all(n in _ARGUMENT_ROLES for n in tensors)
@@ -227,7 +268,10 @@ def _attention_rule(op):
             if fixed is not None and place(MASK) != fixed:
                 continue
             outputs = [place(role) for role in results(bound)]
-            inputs = [place(_ARGUMENT_ROLES.get(n)) if n in tensors else None for n in names]
+            inputs = [
+                place(_ARGUMENT_ROLES.get(n)) if n in tensors else None
+                for n in names
+            ]
             options.append((outputs, inputs))
         return options
 
@@ -326,21 +370,31 @@ def _index_put_strategy(op_schema):
     not indexed on, `values` sharded on the matching dim (replicated where
     it broadcasts); anything else replicated. An in-place write into a
     tensor sharded on an indexed dim cannot keep its placement: refused."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSpec
     from torch.distributed.tensor._op_schema import OpStrategy
     from torch.distributed.tensor._op_schema import TupleStrategy
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 
     self_strategy, indices, values = op_schema.args_schema[:3]
     mesh = self_strategy.mesh
     self_spec = self_strategy.strategies[0].output_spec
     self_shape = tuple(self_spec.tensor_meta.shape)
-    values_spec = values.strategies[0].output_spec if isinstance(values, OpStrategy) else None
-    values_shape = tuple(values_spec.tensor_meta.shape) if values_spec is not None else ()
+    values_spec = (
+        values.strategies[0].output_spec
+        if isinstance(values, OpStrategy)
+        else None
+    )
+    values_shape = (
+        tuple(values_spec.tensor_meta.shape) if values_spec is not None else ()
+    )
     # DTensor wraps a list of index specs as a TupleStrategy, but leaves a
     # list whose first entry is None (`x[:, i]`) a list of specs.
-    entries = indices.children if isinstance(indices, TupleStrategy) else list(indices)
+    entries = (
+        indices.children
+        if isinstance(indices, TupleStrategy)
+        else list(indices)
+    )
     index_strategies = []
     indexed = []  # the dims of self the index tensors index
     index_ndims = []  # the dims each index tensor adds to the result
@@ -373,7 +427,11 @@ def _index_put_strategy(op_schema):
         """The dim of `values` written along `self_dim` (not indexed), or
         None where values broadcast along it."""
         if contiguous and indexed:
-            dim = self_dim if self_dim < indexed[0] else self_dim - len(indexed) + broadcast_ndim
+            dim = (
+                self_dim
+                if self_dim < indexed[0]
+                else self_dim - len(indexed) + broadcast_ndim
+            )
         else:  # the indexed dims go first
             dim = broadcast_ndim + non_indexed.index(self_dim)
         dim -= broadcast_ndim + len(non_indexed) - len(values_shape)
@@ -381,7 +439,11 @@ def _index_put_strategy(op_schema):
 
     kept_self, kept_values = [], []
     for placement in self_spec.placements:
-        if isinstance(placement, Shard) and placement.dim in non_indexed and known:
+        if (
+            isinstance(placement, Shard)
+            and placement.dim in non_indexed
+            and known
+        ):
             dim = values_dim(placement.dim)
             kept_self.append(placement)
             kept_values.append(Replicate() if dim is None else Shard(dim))
@@ -393,7 +455,9 @@ def _index_put_strategy(op_schema):
     if kept_self != replicated or kept_values != replicated:
         candidates.append((replicated, replicated))
     if op_schema.is_inplace_op():
-        candidates = [c for c in candidates if tuple(c[0]) == tuple(self_spec.placements)]
+        candidates = [
+            c for c in candidates if tuple(c[0]) == tuple(self_spec.placements)
+        ]
         if not candidates:
             raise RuntimeError(
                 f"{op_schema.op}: writes in place into a tensor placed "
@@ -405,21 +469,33 @@ def _index_put_strategy(op_schema):
 
     strategy = OpStrategy([])
     for self_placements, values_placements in candidates:
-        out = DTensorSpec(mesh, tuple(self_placements), tensor_meta=self_spec.tensor_meta)
+        out = DTensorSpec(
+            mesh, tuple(self_placements), tensor_meta=self_spec.tensor_meta
+        )
         input_specs = [out]
         costs = [generate_redistribute_costs(self_strategy, out)]
         for index in index_strategies:
             spec = DTensorSpec(
-                mesh, tuple(replicated), tensor_meta=index.strategies[0].output_spec.tensor_meta
+                mesh,
+                tuple(replicated),
+                tensor_meta=index.strategies[0].output_spec.tensor_meta,
             )
             input_specs.append(spec)
             costs.append(generate_redistribute_costs(index, spec))
         if values_spec is not None:
-            spec = DTensorSpec(mesh, tuple(values_placements), tensor_meta=values_spec.tensor_meta)
+            spec = DTensorSpec(
+                mesh,
+                tuple(values_placements),
+                tensor_meta=values_spec.tensor_meta,
+            )
             input_specs.append(spec)
             costs.append(generate_redistribute_costs(values, spec))
         strategy.strategies.append(
-            OpSpec(output_specs=out, input_specs=input_specs, redistribute_cost=costs)
+            OpSpec(
+                output_specs=out,
+                input_specs=input_specs,
+                redistribute_cost=costs,
+            )
         )
     return strategy
 
@@ -434,10 +510,18 @@ def _stack_dim_made_non_negative(strategy):
         if isinstance(dim, int) and dim < 0:
             dim += tensors.children[0].ndim + 1
             if rest:
-                args, kwargs = (tensors, dim, *rest[1:]), op_schema.kwargs_schema
+                args, kwargs = (
+                    (tensors, dim, *rest[1:]),
+                    op_schema.kwargs_schema,
+                )
             else:
-                args, kwargs = (tensors,), {**op_schema.kwargs_schema, "dim": dim}
-            op_schema = dataclasses.replace(op_schema, args_schema=args, kwargs_schema=kwargs)
+                args, kwargs = (
+                    (tensors,),
+                    {**op_schema.kwargs_schema, "dim": dim},
+                )
+            op_schema = dataclasses.replace(
+                op_schema, args_schema=args, kwargs_schema=kwargs
+            )
         return strategy(op_schema)
 
     return stack_strategy
@@ -449,9 +533,9 @@ def _squeeze_strategy(op_schema):
     renumbered. The local op drops the local block's dims of size 1 among
     them, so a dim among them sharded where a process's block could have
     one entry is gathered first (replicated on those mesh axes)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._op_schema import OpSpec
     from torch.distributed.tensor._op_schema import OpStrategy
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 
     input_strategy, *rest = op_schema.args_schema
@@ -474,26 +558,38 @@ def _squeeze_strategy(op_schema):
             if p.is_shard() and getattr(p, "dim", None) == dim:
                 parts *= size
         chunk = -(-shape[dim] // parts)
-        return any(min(chunk, shape[dim] - i * chunk) <= 1 for i in range(parts))
+        return any(
+            min(chunk, shape[dim] - i * chunk) <= 1 for i in range(parts)
+        )
 
     inputs, outputs = [], []
     for p in spec.placements:
         dim = getattr(p, "dim", None) if p.is_shard() else None
         if dim is not None and (
-            not isinstance(p, Shard) or dim in removed or (dim in dims and could_be_one(dim))
+            not isinstance(p, Shard)
+            or dim in removed
+            or (dim in dims and could_be_one(dim))
         ):
             p = Replicate()
             dim = None
         inputs.append(p)
-        outputs.append(p if dim is None else Shard(dim - sum(r < dim for r in removed)))
-    input_spec = DTensorSpec(spec.mesh, tuple(inputs), tensor_meta=spec.tensor_meta)
-    return OpStrategy([
-        OpSpec(
-            output_specs=DTensorSpec(spec.mesh, tuple(outputs)),
-            input_specs=(input_spec,),
-            redistribute_cost=[generate_redistribute_costs(input_strategy, input_spec)],
+        outputs.append(
+            p if dim is None else Shard(dim - sum(r < dim for r in removed))
         )
-    ])
+    input_spec = DTensorSpec(
+        spec.mesh, tuple(inputs), tensor_meta=spec.tensor_meta
+    )
+    return OpStrategy(
+        [
+            OpSpec(
+                output_specs=DTensorSpec(spec.mesh, tuple(outputs)),
+                input_specs=(input_spec,),
+                redistribute_cost=[
+                    generate_redistribute_costs(input_strategy, input_spec)
+                ],
+            )
+        ]
+    )
 
 
 _SQUEEZE_OPS = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
@@ -527,7 +623,9 @@ def _views_refuse_later_sharded_dims():
         # A torch without them propagates views its own, newer way.
         return False
     try:
-        propagate([Shard(1)], (2, 2), groups([2, 2], [4]), (2,), strict_view=True)
+        propagate(
+            [Shard(1)], (2, 2), groups([2, 2], [4]), (2,), strict_view=True
+        )
     except RuntimeError:
         return True
     return False
@@ -557,7 +655,9 @@ registration = Registration()
 def _dispatcher_tables():
     handlers = getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)
     propagator = DTensor._op_dispatcher.sharding_propagator
-    if handlers is None or not hasattr(propagator, "op_single_dim_strategy_funcs"):
+    if handlers is None or not hasattr(
+        propagator, "op_single_dim_strategy_funcs"
+    ):
         raise RuntimeError(
             f"torch {torch.__version__}: DTensor's op dispatcher has no "
             "_custom_op_handlers or single-dim strategies; keras_torch_distribution "
@@ -584,10 +684,14 @@ def register():
         registration.strategies[op] = propagator.op_strategy_funcs.get(op)
         registration.schema_infos[op] = propagator.op_to_schema_info.get(op)
         register_sharding(op)(rule)
-        propagator.op_to_schema_info[op] = RuntimeSchemaInfo(static_argnum, needs_pytree=True)
+        propagator.op_to_schema_info[op] = RuntimeSchemaInfo(
+            static_argnum, needs_pytree=True
+        )
     backward = aten.convolution_backward.default
     if backward in single_dim:
-        torch_own = single_dim[backward]  # a record of the function and its options
+        torch_own = single_dim[
+            backward
+        ]  # a record of the function and its options
         registration.single_dim[backward] = torch_own
         single_dim[backward] = dataclasses.replace(
             torch_own, func=_masked_gradients_left_out(torch_own.func)
@@ -596,16 +700,22 @@ def register():
     if stack not in single_dim and stack in propagator.op_strategy_funcs:
         torch_own = propagator.op_strategy_funcs[stack]
         registration.strategies[stack] = torch_own
-        propagator.op_strategy_funcs[stack] = _stack_dim_made_non_negative(torch_own)
+        propagator.op_strategy_funcs[stack] = _stack_dim_made_non_negative(
+            torch_own
+        )
     if not hasattr(propagator, "squeeze_op_to_dims_variant"):
         # torch<2.13: no rewrite of squeezes to dims of global size 1.
         for op in _SQUEEZE_OPS:
             if op not in single_dim:
-                _register_strategy(propagator, op, _squeeze_strategy, RuntimeSchemaInfo(1))
+                _register_strategy(
+                    propagator, op, _squeeze_strategy, RuntimeSchemaInfo(1)
+                )
     for op in _INDEX_PUT_OPS:
         if op not in single_dim:
             _register_strategy(
-                propagator, op, _index_put_strategy,
+                propagator,
+                op,
+                _index_put_strategy,
                 RuntimeSchemaInfo(3, needs_pytree=True),
             )
     for op in _attention_ops():

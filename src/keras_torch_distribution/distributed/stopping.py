@@ -65,7 +65,8 @@ class StopTogether(keras.callbacks.Callback):
                 "callback, e.g. EarlyStopping or a time limit, or by your "
                 "code), at %s: every rank stops training here, as one process "
                 "would. Set it on every rank to keep this message away.",
-                stopping, where,
+                stopping,
+                where,
             )
         if stopping:
             self.model.stop_training = True
@@ -87,7 +88,8 @@ def ends_together(batches):
                     "there, and the others' remaining batches are not used. "
                     "Give every process the same number of batches (per-process "
                     "inputs are each process's part of every global batch).",
-                    missing, position,
+                    missing,
+                    position,
                 )
             return
         position += 1

@@ -31,8 +31,10 @@ def as_torch(value, dtype=None, device=None):
     if isinstance(value, torch.Tensor):
         value = value.to(device)
         return value if dtype is None else value.to(dtype)
-    if isinstance(value, np.ndarray) or np.isscalar(value) or isinstance(
-        value, (list, tuple)
+    if (
+        isinstance(value, np.ndarray)
+        or np.isscalar(value)
+        or isinstance(value, (list, tuple))
     ):
         array = np.asarray(value)
         return torch.as_tensor(array, dtype=dtype, device=device)
@@ -57,7 +59,9 @@ def local_block(full, torch_layout):
     """This rank's block of a full value, as a contiguous plain tensor on
     this process's Keras device, sliced where `full` is (host memory for
     a CPU tensor: only the block goes to the device)."""
-    box = layouts.local_box(full.shape, torch_layout.mesh, torch_layout.placements)
+    box = layouts.local_box(
+        full.shape, torch_layout.mesh, torch_layout.placements
+    )
     block = full[layouts.box_slices(box)]
     moved = block.to(_keras.torch_device())
     if moved is block:  # a copy, not a view that keeps `full` alive
@@ -87,7 +91,9 @@ def to_layout(value, torch_layout, what="the tensor"):
         if value.device_mesh == torch_layout.mesh:
             if tuple(value.placements) == tuple(torch_layout.placements):
                 return value
-            return value.redistribute(torch_layout.mesh, torch_layout.placements)
+            return value.redistribute(
+                torch_layout.mesh, torch_layout.placements
+            )
         return to_layout(full_value(value), torch_layout)
     value = where_it_is(value)  # sliced on the host: no device holds it whole
     if value.requires_grad:
@@ -96,7 +102,9 @@ def to_layout(value, torch_layout, what="the tensor"):
         # this rank's block comes back gathered (every rank's rows), where
         # slicing a block would hand back this rank's rows only.
         mesh = torch_layout.mesh
-        replicated = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        replicated = DTensor.from_local(
+            value, mesh, [Replicate()] * mesh.ndim, run_check=False
+        )
         return replicated.redistribute(mesh, torch_layout.placements)
     return from_local_block(
         local_block(value, torch_layout), torch_layout, tuple(value.shape)
@@ -162,7 +170,10 @@ def host_value(value):
     Collective: call on every rank."""
     mesh = value.device_mesh
     if any(isinstance(p, Partial) for p in value.placements):
-        placements = [Replicate() if isinstance(p, Partial) else p for p in value.placements]
+        placements = [
+            Replicate() if isinstance(p, Partial) else p
+            for p in value.placements
+        ]
         value = value.redistribute(mesh, placements)
     world = runtime.num_processes()
     if mesh.mesh.numel() != world or not all(
@@ -175,13 +186,17 @@ def host_value(value):
     shape = tuple(value.shape)
     boxes = [None] * world
     for coordinate, rank in _grid_cells(mesh.mesh):
-        boxes[rank] = layouts.local_box(shape, mesh, value.placements, coordinate)
+        boxes[rank] = layouts.local_box(
+            shape, mesh, value.placements, coordinate
+        )
     element = local.element_size()
     sizes = [_box_numel(box) * element for box in boxes]
     largest = max(sizes)
     mine = torch.zeros(largest, dtype=torch.uint8)
     if local.numel():
-        mine[: local.numel() * element] = local.contiguous().cpu().reshape(-1).view(torch.uint8)
+        mine[: local.numel() * element] = (
+            local.contiguous().cpu().reshape(-1).view(torch.uint8)
+        )
     gathered = [torch.empty(largest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(gathered, mine, group=runtime.cpu_group())
     del mine
@@ -189,7 +204,9 @@ def host_value(value):
     for box, size, piece in zip(boxes, sizes, gathered):
         if size:
             block_shape = tuple(hi - lo for lo, hi in box)
-            whole[layouts.box_slices(box)] = piece[:size].view(value.dtype).view(block_shape)
+            whole[layouts.box_slices(box)] = (
+                piece[:size].view(value.dtype).view(block_shape)
+            )
     return whole
 
 
@@ -249,8 +266,9 @@ def _replicated_beside(value, others):
     )
 
 
-def batch_normalization(original, x, mean, variance, axis, offset=None, scale=None,
-                        epsilon=1e-3):
+def batch_normalization(
+    original, x, mean, variance, axis, offset=None, scale=None, epsilon=1e-3
+):
     """Keras' torch `batch_normalization`, which scales `x - mean` in place
     by `scale`: a plain `x` with sharded `gamma` / `beta` / moving
     statistics (a LayoutMap sharding a BatchNormalization) becomes the
@@ -273,8 +291,12 @@ def slice_update(original, inputs, start_indices, updates):
     torch 2.13 does it for the write. Collective then: call on every rank.
     """
     if isinstance(start_indices, (list, tuple)):
-        start_indices = type(start_indices)(full_value(i) for i in start_indices)
-        by_ints = all(isinstance(i, int) for i in start_indices)  # Keras' fast path
+        start_indices = type(start_indices)(
+            full_value(i) for i in start_indices
+        )
+        by_ints = all(
+            isinstance(i, int) for i in start_indices
+        )  # Keras' fast path
     else:
         start_indices = full_value(start_indices)
         by_ints = False
@@ -311,7 +333,9 @@ def reduce_partial(value):
     """
     if not isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, DTensor) and any(isinstance(p, Partial) for p in value.placements):
+    if isinstance(value, DTensor) and any(
+        isinstance(p, Partial) for p in value.placements
+    ):
         return _ReducePartial.apply(value)
     if value.requires_grad and not torch.compiler.is_compiling():
         value.register_hook(_locally_contiguous)

@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.distributed import sharding_rules
+from keras_torch_distribution.fsdp import gathering
 
 # torch.einsum's label order: upper case first.
 _LABELS = string.ascii_uppercase + string.ascii_lowercase
@@ -60,7 +60,11 @@ def _dim_labels(part, ndim):
         before, after = part.split("...", 1)
         if "." in after or len(before) + len(after) > ndim:
             return None
-        return list(before) + [None] * (ndim - len(before) - len(after)) + list(after)
+        return (
+            list(before)
+            + [None] * (ndim - len(before) - len(after))
+            + list(after)
+        )
     return list(part) if len(part) == ndim else None
 
 
@@ -105,7 +109,9 @@ def sharded_dims_first(subscripts, ndims, sharded_dims):
     if not arrow:
         # The implicit output: the labels used once, in label order, after
         # the ellipsis' dims; made explicit before the order changes.
-        once = sorted((c for c in labels if inputs.count(c) == 1), key=_LABELS.index)
+        once = sorted(
+            (c for c in labels if inputs.count(c) == 1), key=_LABELS.index
+        )
         output = ("..." if "..." in inputs else "") + "".join(once)
     before, ellipsis, after = output.partition("...")
     if not set(before + after) <= labels or "." in after:
@@ -121,7 +127,9 @@ def sharded_dims_first(subscripts, ndims, sharded_dims):
             sorted((a & b) - out, key=_LABELS.index),
         ]
         for kind in kinds:
-            labelled = [c for c in kind if any(c in s.values() for s in sharded)]
+            labelled = [
+                c for c in kind if any(c in s.values() for s in sharded)
+            ]
             for operand, dims in enumerate(sharded):
                 for d, c in list(dims.items()):
                     if c in labelled[1:]:
@@ -131,9 +139,17 @@ def sharded_dims_first(subscripts, ndims, sharded_dims):
     if not first:
         return subscripts, None, replicate
     # Output dims as tokens (an ellipsis is its dims), sharded ones first.
-    tokens = list(before) + [("...", i) for i in range(ellipsis_ndim if ellipsis else 0)] + list(after)
-    reordered = [t for t in tokens if t in first] + [t for t in tokens if t not in first]
-    new_output = "".join(t for t in reordered if isinstance(t, str) and t in first)
+    tokens = (
+        list(before)
+        + [("...", i) for i in range(ellipsis_ndim if ellipsis else 0)]
+        + list(after)
+    )
+    reordered = [t for t in tokens if t in first] + [
+        t for t in tokens if t not in first
+    ]
+    new_output = "".join(
+        t for t in reordered if isinstance(t, str) and t in first
+    )
     new_output += before.translate({ord(c): None for c in first}) + ellipsis
     new_output += after.translate({ord(c): None for c in first})
     order = sorted(labels, key=lambda c: (c not in first, _LABELS.index(c)))
@@ -141,7 +157,11 @@ def sharded_dims_first(subscripts, ndims, sharded_dims):
     permutation = [reordered.index(t) for t in tokens]
     if permutation == list(range(len(tokens))):
         permutation = None
-    return f"{inputs.translate(rename)}->{new_output.translate(rename)}", permutation, replicate
+    return (
+        f"{inputs.translate(rename)}->{new_output.translate(rename)}",
+        permutation,
+        replicate,
+    )
 
 
 def _sharded_dims(operand):
@@ -229,13 +249,17 @@ def einsum(original, subscripts, *operands, **kwargs):
         [getattr(x, "ndim", 0) for x in operands],
         [_sharded_dims(x) for x in operands],
     )
-    operands = tuple(_replicated_on(x, dims) for x, dims in zip(operands, replicate))
+    operands = tuple(
+        _replicated_on(x, dims) for x, dims in zip(operands, replicate)
+    )
     result = _einsum(original, subscripts, *operands, **kwargs)
     return result if permutation is None else result.permute(permutation)
 
 
 def _einsum(original, subscripts, *operands, **kwargs):
-    dtensors = _REORDER_SHARDED_DIMS and any(isinstance(x, DTensor) for x in operands)
+    dtensors = _REORDER_SHARDED_DIMS and any(
+        isinstance(x, DTensor) for x in operands
+    )
     if (
         not (gathering.plans_exist() or dtensors)
         or len(operands) != 2

@@ -46,9 +46,9 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import _env
+from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import runtime
-from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import tensors
 
 
@@ -271,7 +271,11 @@ class _Regatherer:
             tensor.placements if is_dtensor else None,
             tuple(tensor.shape),
             tensor.stride() if is_dtensor else None,
-            (tuple(local.shape), local.stride(), local.storage_offset() - base_offset),
+            (
+                tuple(local.shape),
+                local.stride(),
+                local.storage_offset() - base_offset,
+            ),
         )
 
     @staticmethod
@@ -321,7 +325,11 @@ class _VariableSource:
 
     def regathered(self, key):
         with torch.no_grad():
-            stored = self.stored if self.dtype is None else self.stored.to(self.dtype)
+            stored = (
+                self.stored
+                if self.dtype is None
+                else self.stored.to(self.dtype)
+            )
             whole = stored.redistribute(self.plan.mesh, self.plan.gathered)
             return whole.to_local().contiguous()
 
@@ -368,13 +376,19 @@ def prefetch_depth():
 def regathering_in_backward():
     """Within the block (a training forward), saved views of gathered
     weights are gathered again in backward instead of being kept."""
-    if state.regatherer is not None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if (
+        state.regatherer is not None
+        or not torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+    ):
         yield
         return
     regatherer = _Regatherer(prefetch_depth())
     state.regatherer = regatherer
     try:
-        with torch.autograd.graph.saved_tensors_hooks(regatherer.pack, regatherer.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(
+            regatherer.pack, regatherer.unpack
+        ):
             yield
     finally:
         state.regatherer = None

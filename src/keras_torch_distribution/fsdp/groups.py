@@ -60,11 +60,11 @@ from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
+from keras_torch_distribution.distributed import replicas
+from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.fsdp import flat_shards
 from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.fsdp import lookup_gradients
-from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import tensors
 
 
 class GroupsState:
@@ -141,7 +141,9 @@ class _Bucket:
         call on every rank."""
         stored = self.stored() if stored is None else stored
         return flat_shards.FlatGather(
-            self.layout, [s._local_tensor.detach() for s in stored], self.group,
+            self.layout,
+            [s._local_tensor.detach() for s in stored],
+            self.group,
             dtype or self.gather_dtype(),
         )
 
@@ -177,7 +179,9 @@ class _GroupSpec:
 def spec_for(layer, policy):
     """The _GroupSpec of `layer` under `policy`, None when it holds no
     variable that can travel in a flat gather."""
-    candidates = layer.weights if policy == "block" else _keras.own_variables(layer)
+    candidates = (
+        layer.weights if policy == "block" else _keras.own_variables(layer)
+    )
     split = layer in state.repeated
     key = (split,) + tuple(id(_keras.raw_value(v)) for v in candidates)
     cached = state.specs.get(layer)
@@ -329,7 +333,12 @@ class _GroupCall:
                 if not self.values and state.forward is not None:
                     state.forward.note(self.layer)
                 bucket = self.spec.buckets[where[0]]
-                self._take(where[0], bucket, bucket.start_gather(), gathering.state.regatherer)
+                self._take(
+                    where[0],
+                    bucket,
+                    bucket.start_gather(),
+                    gathering.state.regatherer,
+                )
         elif not self.values:  # a group not split gathers every bucket at once
             self._gather()
         bucket = self.spec.buckets[where[0]]
@@ -349,12 +358,16 @@ class _GroupCall:
                 self.lookups[id(cast)] = (cast, self.lookups[id(value)][1])
             regatherer = gathering.state.regatherer
             if regatherer is not None and not self.keep and cast.requires_grad:
-                regatherer.register(cast, self.sources[where[0]], (where[1], dtype))
+                regatherer.register(
+                    cast, self.sources[where[0]], (where[1], dtype)
+                )
         return cast
 
     def _gather(self):
         forward = state.forward
-        flats = forward.take(self.layer, self.spec) if forward is not None else None
+        flats = (
+            forward.take(self.layer, self.spec) if forward is not None else None
+        )
         if flats is None:
             flats = self.spec.start_gathers()
         if forward is not None:
@@ -380,7 +393,9 @@ class _GroupCall:
             if bucket.lookup_eligible:
                 self.lookups[id(outputs[0])] = (
                     outputs[0],
-                    lookup_gradients.Lookup(bucket, stored[0].to_local(), factor),
+                    lookup_gradients.Lookup(
+                        bucket, stored[0].to_local(), factor
+                    ),
                 )
         else:
             outputs = flat.take()
@@ -408,7 +423,8 @@ class _ForwardOrder:
         """The gathers started ahead for this group's call, or None."""
         position = len(self.seen)
         if self.matching and (
-            position >= len(self.recorded) or self.recorded[position]() is not layer
+            position >= len(self.recorded)
+            or self.recorded[position]() is not layer
         ):
             self.matching = False  # the order changed: no more prefetch
             self.drain()
@@ -426,7 +442,8 @@ class _ForwardOrder:
         order. Not a collective."""
         position = len(self.seen)
         if self.matching and (
-            position >= len(self.recorded) or self.recorded[position]() is not layer
+            position >= len(self.recorded)
+            or self.recorded[position]() is not layer
         ):
             self.matching = False
             self.drain()
@@ -483,7 +500,9 @@ def forward_scope(root):
     if state.forward is not None or torch.compiler.is_compiling():
         yield
         return
-    order = _ForwardOrder(state.orders.get(root), gathering.prefetch_depth(), _env.fsdp_group())
+    order = _ForwardOrder(
+        state.orders.get(root), gathering.prefetch_depth(), _env.fsdp_group()
+    )
     state.forward = order
     try:
         yield
@@ -501,8 +520,12 @@ def group_scope(layer):
     if torch.compiler.is_compiling():
         yield
         return
-    policy = state.forward.policy if state.forward is not None else _env.fsdp_group()
-    if policy == "block" and (gathering.state.groups or isinstance(layer, keras.Model)):
+    policy = (
+        state.forward.policy if state.forward is not None else _env.fsdp_group()
+    )
+    if policy == "block" and (
+        gathering.state.groups or isinstance(layer, keras.Model)
+    ):
         yield
         return
     if state.forward is not None and state.forward.has_seen(layer):
@@ -513,7 +536,9 @@ def group_scope(layer):
         return
     call = _GroupCall(layer, spec)
     gathering.state.groups.append(call)
-    lookups = lookup_gradients.lookups(call.lookups) if spec.has_lookups else None
+    lookups = (
+        lookup_gradients.lookups(call.lookups) if spec.has_lookups else None
+    )
     try:
         with lookups or contextlib.nullcontext():
             yield

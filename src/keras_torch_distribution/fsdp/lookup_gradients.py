@@ -59,11 +59,17 @@ class _RankMajorLookup(torch.autograd.Function):
         bucket = ctx.lookup.bucket
         layout = bucket.layout
         piece = layout.pieces[0]
-        flat = torch.zeros(layout.ranks * layout.per_rank, dtype=bucket.dtype, device=bucket.device)
+        flat = torch.zeros(
+            layout.ranks * layout.per_rank,
+            dtype=bucket.dtype,
+            device=bucket.device,
+        )
         # (vocabulary, ranks, chunk): row v of rank r's piece at [v, r].
         rows = flat.view((layout.ranks,) + piece.padded_shape).movedim(0, 1)
         source = grad.reshape(-1, grad.shape[-1]).to(bucket.dtype)
-        rows.index_add_(0, ids.reshape(-1), source.unflatten(1, (layout.ranks, piece.chunk)))
+        rows.index_add_(
+            0, ids.reshape(-1), source.unflatten(1, (layout.ranks, piece.chunk))
+        )
         (shard_grad,) = flat_shards.reduce_scatter_flat(
             layout, flat, bucket.group, ctx.lookup.factor, bucket.shard_shapes
         )
@@ -83,7 +89,9 @@ class _LookupMode(TorchFunctionMode):
             value, lookup = self.table.get(id(args[1]), (None, None))
             if value is args[1] and _plain(kwargs):
                 ids, weight = args
-                return _RankMajorLookup.apply(ids, weight.detach(), lookup.shard, lookup)
+                return _RankMajorLookup.apply(
+                    ids, weight.detach(), lookup.shard, lookup
+                )
         return func(*args, **kwargs)
 
 

@@ -32,7 +32,9 @@ def die_with_parent(environ=os.environ):
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != int(parent):  # it died before the prctl took effect
-        raise SystemExit(f"the launcher (pid {parent}) that started this process is gone")
+        raise SystemExit(
+            f"the launcher (pid {parent}) that started this process is gone"
+        )
 
 
 def run_target(argv):

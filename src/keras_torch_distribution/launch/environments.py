@@ -48,8 +48,8 @@ from keras_torch_distribution.launch.record import Launch
 from keras_torch_distribution.launch.record import Outside
 from keras_torch_distribution.launch.record import node_processes
 from keras_torch_distribution.launch.record import read_local_rank_or_none
-from keras_torch_distribution.launch.record import read_whole
 from keras_torch_distribution.launch.record import read_port_or_none
+from keras_torch_distribution.launch.record import read_whole
 from keras_torch_distribution.launch.record import shown
 from keras_torch_distribution.launch.record import spawn_setting  # noqa: F401
 
@@ -61,8 +61,14 @@ KERAS_VARIABLES = (
 )
 
 
-def detect(env, local_devices=0, job_addresses=None, num_processes=None,
-           process_id=None, outside=None):
+def detect(
+    env,
+    local_devices=0,
+    job_addresses=None,
+    num_processes=None,
+    process_id=None,
+    outside=None,
+):
     """The Launch for environment `env` (a mapping of variables).
 
     local_devices: the accelerators this process would use (0 on CPU).
@@ -121,12 +127,21 @@ def _explicit(env, job_addresses, num_processes, process_id):
     url = coordinator_url(job_addresses)
     # Without LOCAL_RANK, runtime counts the processes of each host on the
     # store: taking 0 would put every process of a host on GPU 0.
-    local = read_local_rank_or_none(env, "LOCAL_RANK") if num_processes > 1 else 0
+    local = (
+        read_local_rank_or_none(env, "LOCAL_RANK") if num_processes > 1 else 0
+    )
     return Launch(
-        "explicit", JOIN if num_processes > 1 else SINGLE, num_processes, process_id,
-        local, init_method=url,
-        variables=(("job_addresses", job_addresses), ("num_processes", num_processes),
-                   ("process_id", process_id)),
+        "explicit",
+        JOIN if num_processes > 1 else SINGLE,
+        num_processes,
+        process_id,
+        local,
+        init_method=url,
+        variables=(
+            ("job_addresses", job_addresses),
+            ("num_processes", num_processes),
+            ("process_id", process_id),
+        ),
     )
 
 
@@ -145,7 +160,11 @@ def _fill(found, job_addresses, num_processes, process_id):
             f"started {found.world} processes ({shown(found.variables)}). Pass "
             f"num_processes={found.world} or none."
         )
-    if process_id is not None and found.start == JOIN and process_id != found.rank:
+    if (
+        process_id is not None
+        and found.start == JOIN
+        and process_id != found.rank
+    ):
         raise ValueError(
             f"initialize(process_id={process_id}) but {found.environment} made "
             f"this process rank {found.rank} ({shown(found.variables)}). Pass "
@@ -159,8 +178,12 @@ def _fill(found, job_addresses, num_processes, process_id):
             "process_id."
         )
     if job_addresses is not None and found.start == JOIN:
-        found = dataclasses.replace(found, address=None, port=None,
-                                    init_method=coordinator_url(job_addresses))
+        found = dataclasses.replace(
+            found,
+            address=None,
+            port=None,
+            init_method=coordinator_url(job_addresses),
+        )
     return found
 
 
@@ -169,8 +192,12 @@ def _local(env, local_devices, job_addresses, num_processes, process_id):
     per local device, KTD_SPAWN of them, or num_processes)."""
     if num_processes is None and job_addresses is None and process_id is None:
         nproc = node_processes(env, local_devices)
-        return _local_spawn(env, nproc) if nproc > 1 else Launch("local", SINGLE)
-    if job_addresses is not None and (num_processes is None or process_id is None):
+        return (
+            _local_spawn(env, nproc) if nproc > 1 else Launch("local", SINGLE)
+        )
+    if job_addresses is not None and (
+        num_processes is None or process_id is None
+    ):
         raise ValueError(
             f"initialize(job_addresses={job_addresses!r}) also needs "
             f"num_processes and process_id (got num_processes={num_processes}, "
@@ -187,15 +214,22 @@ def _local(env, local_devices, job_addresses, num_processes, process_id):
             f"torchrun / `ktd run -n {num_processes}`, which sets the environment; "
             f"or leave out process_id to start {num_processes} local processes."
         )
-    return dataclasses.replace(_local_spawn(env, num_processes), environment="explicit",
-                               fallback=None)
+    return dataclasses.replace(
+        _local_spawn(env, num_processes), environment="explicit", fallback=None
+    )
 
 
 def _local_spawn(env, nproc):
     return Launch(
-        "local", SPAWN, world=nproc, rank=None, local_rank=None,
-        address=env.get("MASTER_ADDR"), port=read_port_or_none(env, "MASTER_PORT"),
-        nproc=nproc, fallback=Launch("local", SINGLE),
+        "local",
+        SPAWN,
+        world=nproc,
+        rank=None,
+        local_rank=None,
+        address=env.get("MASTER_ADDR"),
+        port=read_port_or_none(env, "MASTER_PORT"),
+        nproc=nproc,
+        fallback=Launch("local", SINGLE),
         variables=tuple((k, env[k]) for k in (SPAWN_VARIABLE,) if k in env),
     )
 
@@ -230,8 +264,9 @@ def host_and_port(address):
     else:
         host, colon, port = address.partition(":")
         port = port if colon else None
-    if not host or (port is not None
-                    and not (port.isdigit() and 0 < int(port) < 2**16)):
+    if not host or (
+        port is not None and not (port.isdigit() and 0 < int(port) < 2**16)
+    ):
         return None, None
     return host, port
 

@@ -59,11 +59,14 @@ def first_failure(failures):
     peer; then the earliest; in a tie, ranks that torchrun may have stopped
     (SIGTERM, nothing recorded) last.
     """
+
     def order(rank):
         failure = failures[rank]
         exception = _exception(failure)
         lost_peer = bool(exception and _LOST_PEER.search(exception))
-        maybe_stopped = exception is None and failure.exitcode == -signal.SIGTERM
+        maybe_stopped = (
+            exception is None and failure.exitcode == -signal.SIGTERM
+        )
         return (lost_peer, failure.timestamp, maybe_stopped, rank)
 
     rank = min(failures, key=order)
@@ -94,7 +97,8 @@ def failure_summary(failures, launcher="ktd run"):
     lost_peer = (
         " It lost its connection to another rank, which most likely died "
         "without a record (killed, or out of memory)."
-        if _LOST_PEER.search(exception) else ""
+        if _LOST_PEER.search(exception)
+        else ""
     )
     exit_code = f"exit code {failure.exitcode}"
     if failure.exitcode < 0:  # stopped by torchrun after it raised
@@ -136,10 +140,8 @@ def _exception(failure):
 
 
 def _cause(message):
-    """"Type: first line" of a recorded exception (`log.first_line`)."""
+    """ "Type: first line" of a recorded exception (`log.first_line`)."""
     cause = first_line(message, _MAX_CAUSE_CHARS)
     if not cause:
         return "an exception without a message."
     return cause if cause.endswith((".", "...")) else cause + "."
-
-

@@ -71,7 +71,9 @@ def _expand_ranges(ranges, text):
         item = item.strip()
         low, dash, high = item.partition("-")
         if not low.isdigit() or (dash and not high.isdigit()):
-            raise _malformed(text, f"[{ranges}] holds {item!r}, not a number or range")
+            raise _malformed(
+                text, f"[{ranges}] holds {item!r}, not a number or range"
+            )
         if not dash:
             yield low
             continue

@@ -63,14 +63,24 @@ class Launch:
         """{field: value} for `ktd env`."""
         shown = {"environment": self.environment, "start": self.start}
         if self.start == SPAWN:
-            shown.update(processes_per_node=self.nproc, nodes=self.nnodes,
-                         node_rank=self.node_rank, world=self.world,
-                         ranks=f"{self.node_rank * self.nproc}..."
-                               f"{(self.node_rank + 1) * self.nproc - 1}")
+            shown.update(
+                processes_per_node=self.nproc,
+                nodes=self.nnodes,
+                node_rank=self.node_rank,
+                world=self.world,
+                ranks=f"{self.node_rank * self.nproc}..."
+                f"{(self.node_rank + 1) * self.nproc - 1}",
+            )
         else:
-            shown.update(world=self.world, rank=self.rank, local_rank=self.local_rank)
-        shown.update(address=self.address, port=self.port, init_method=self.init_method)
-        shown["read from"] = " ".join(f"{k}={v}" for k, v in self.variables) or "-"
+            shown.update(
+                world=self.world, rank=self.rank, local_rank=self.local_rank
+            )
+        shown.update(
+            address=self.address, port=self.port, init_method=self.init_method
+        )
+        shown["read from"] = (
+            " ".join(f"{k}={v}" for k, v in self.variables) or "-"
+        )
         return shown
 
 
@@ -104,7 +114,13 @@ def join(name, env, world, rank, local, address, port, names, init_method=None):
     if world == 1:
         return Launch(name, SINGLE, variables=present(env, names))
     return Launch(
-        name, JOIN, world, rank, local, address, port,
+        name,
+        JOIN,
+        world,
+        rank,
+        local,
+        address,
+        port,
         init_method or f"tcp://{_bracketed(address)}:{port}",
         variables=present(env, names),
     )

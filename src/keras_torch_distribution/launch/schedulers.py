@@ -36,12 +36,25 @@ def _torchelastic(env, local_devices, outside, forced):
     if not forced and "TORCHELASTIC_RUN_ID" not in env:
         return None
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    require(env, "torchrun", names, also=("TORCHELASTIC_RUN_ID",),
-             fix="Start it with torchrun or `ktd run -n N` (they set all of them).")
+    require(
+        env,
+        "torchrun",
+        names,
+        also=("TORCHELASTIC_RUN_ID",),
+        fix="Start it with torchrun or `ktd run -n N` (they set all of them).",
+    )
     world = read_whole(env, "WORLD_SIZE")
-    return join("torchelastic", env, world, read_whole(env, "RANK", minimum=0),
-                 read_local_rank(env, "LOCAL_RANK"), env["MASTER_ADDR"],
-                 read_port(env, "MASTER_PORT"), names + ("LOCAL_RANK",), "env://")
+    return join(
+        "torchelastic",
+        env,
+        world,
+        read_whole(env, "RANK", minimum=0),
+        read_local_rank(env, "LOCAL_RANK"),
+        env["MASTER_ADDR"],
+        read_port(env, "MASTER_PORT"),
+        names + ("LOCAL_RANK",),
+        "env://",
+    )
 
 
 def _generic(env, local_devices, outside, forced):
@@ -50,20 +63,33 @@ def _generic(env, local_devices, outside, forced):
     if not forced and "WORLD_SIZE" not in env:
         return None
     if forced:
-        require(env, "the generic torch variables", ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
-                 fix="Set them (and RANK) for every process, as torchrun does.")
+        require(
+            env,
+            "the generic torch variables",
+            ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+            fix="Set them (and RANK) for every process, as torchrun does.",
+        )
     world = read_whole(env, "WORLD_SIZE")
     pet_nproc = env.get("PET_NPROC_PER_NODE", "")
-    if (not forced and "LOCAL_RANK" not in env and pet_nproc.isdigit()
-            and int(pet_nproc) > 1):
-        return None  # RANK is a node's rank here: the pet row starts the processes
+    if (
+        not forced
+        and "LOCAL_RANK" not in env
+        and pet_nproc.isdigit()
+        and int(pet_nproc) > 1
+    ):
+        return (
+            None  # RANK is a node's rank here: the pet row starts the processes
+        )
     if world == 1 and not forced:
         return Launch("generic", SINGLE, variables=(("WORLD_SIZE", "1"),))
     rank_names = ("RANK",)
     if "RANK" in env:
         rank = read_whole(env, "RANK", minimum=0)
     elif "LOCAL_RANK" in env and "NODE_RANK" in env:
-        node, local = read_whole(env, "NODE_RANK", minimum=0), read_whole(env, "LOCAL_RANK", minimum=0)
+        node, local = (
+            read_whole(env, "NODE_RANK", minimum=0),
+            read_whole(env, "LOCAL_RANK", minimum=0),
+        )
         if "LOCAL_WORLD_SIZE" in env:
             rank = node * read_whole(env, "LOCAL_WORLD_SIZE") + local
         elif node == 0:
@@ -72,15 +98,29 @@ def _generic(env, local_devices, outside, forced):
             rank = None
         rank_names = ("NODE_RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
     elif "JOB_COMPLETION_INDEX" in env:
-        rank, rank_names = read_whole(env, "JOB_COMPLETION_INDEX", minimum=0), ("JOB_COMPLETION_INDEX",)
+        rank, rank_names = (
+            read_whole(env, "JOB_COMPLETION_INDEX", minimum=0),
+            ("JOB_COMPLETION_INDEX",),
+        )
     else:
         rank = None
     missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
     if rank is None:
         missing.append("RANK (or NODE_RANK, LOCAL_WORLD_SIZE and LOCAL_RANK)")
     if missing:
-        found = shown(present(env, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
-                                      "MASTER_ADDR", "MASTER_PORT")))
+        found = shown(
+            present(
+                env,
+                (
+                    "RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_RANK",
+                    "NODE_RANK",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                ),
+            )
+        )
         raise IncompleteEnvironmentError(
             f"WORLD_SIZE={world} says this process is one of {world}, but the "
             f"environment lacks {', '.join(missing)} to join the others (found "
@@ -91,21 +131,33 @@ def _generic(env, local_devices, outside, forced):
             "process; or unset WORLD_SIZE for a one-process run."
         )
     names = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") + rank_names
-    return join("generic", env, world, rank, read_local_rank_or_none(env, "LOCAL_RANK"),
-                 env["MASTER_ADDR"], read_port(env, "MASTER_PORT"), names,
-                 "env://" if "RANK" in env else None)
+    return join(
+        "generic",
+        env,
+        world,
+        rank,
+        read_local_rank_or_none(env, "LOCAL_RANK"),
+        env["MASTER_ADDR"],
+        read_port(env, "MASTER_PORT"),
+        names,
+        "env://" if "RANK" in env else None,
+    )
 
 
 # Open MPI <= 4 publishes its launcher's URI; JAX reads the host and job id
 # from it (jax/_src/clusters/ompi_cluster.py).
-_ORTE_URI = re.compile(r"^(\d+)\.\d+;tcp6?://\[?([0-9a-zA-Z:.\-]+?)\]?(?:,|:\d+)")
+_ORTE_URI = re.compile(
+    r"^(\d+)\.\d+;tcp6?://\[?([0-9a-zA-Z:.\-]+?)\]?(?:,|:\d+)"
+)
 
 
 def _open_mpi(env, local_devices, outside, forced):
     keys = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
     if not forced and not any(k in env for k in keys):
         return None
-    require(env, "Open MPI", keys, fix="Start it with mpirun (Open MPI sets both).")
+    require(
+        env, "Open MPI", keys, fix="Start it with mpirun (Open MPI sets both)."
+    )
     world = read_whole(env, "OMPI_COMM_WORLD_SIZE")
     rank = read_whole(env, "OMPI_COMM_WORLD_RANK", minimum=0)
     local = read_local_rank(env, "OMPI_COMM_WORLD_LOCAL_RANK")
@@ -113,26 +165,55 @@ def _open_mpi(env, local_devices, outside, forced):
     match = _ORTE_URI.match(env.get("OMPI_MCA_orte_hnp_uri", ""))
     if match:
         address = match.group(2)
-        port = (int(match.group(1)) // _DERIVED_PORT_SPAN) % _DERIVED_PORT_SPAN + _DERIVED_PORT_BASE
+        port = (
+            int(match.group(1)) // _DERIVED_PORT_SPAN
+        ) % _DERIVED_PORT_SPAN + _DERIVED_PORT_BASE
     names = keys + ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_MCA_orte_hnp_uri")
-    return _mpi_join("openmpi", "Open MPI", env, outside, world, rank, local, address, port,
-                     names)
+    return _mpi_join(
+        "openmpi",
+        "Open MPI",
+        env,
+        outside,
+        world,
+        rank,
+        local,
+        address,
+        port,
+        names,
+    )
 
 
 def _pmi(env, local_devices, outside, forced):
     keys = ("PMI_SIZE", "PMI_RANK")
     if not forced and not any(k in env for k in keys):
         return None
-    require(env, "MPICH / Intel MPI (PMI)", keys,
-             fix="Start it with mpiexec / mpirun (Hydra sets both).")
-    world, rank = read_whole(env, "PMI_SIZE"), read_whole(env, "PMI_RANK", minimum=0)
+    require(
+        env,
+        "MPICH / Intel MPI (PMI)",
+        keys,
+        fix="Start it with mpiexec / mpirun (Hydra sets both).",
+    )
+    world, rank = (
+        read_whole(env, "PMI_SIZE"),
+        read_whole(env, "PMI_RANK", minimum=0),
+    )
     address = port = None
     slurm = _slurm_step_address(env)
     if slurm is not None and env.get("SLURM_PROCID") == env["PMI_RANK"]:
         address, port = slurm  # srun --mpi=pmi2: SLURM's ranks are these ranks
     names = keys + ("MPI_LOCALRANKID",)
-    return _mpi_join("pmi", "MPICH / Intel MPI", env, outside, world, rank,
-                     read_local_rank(env, "MPI_LOCALRANKID"), address, port, names)
+    return _mpi_join(
+        "pmi",
+        "MPICH / Intel MPI",
+        env,
+        outside,
+        world,
+        rank,
+        read_local_rank(env, "MPI_LOCALRANKID"),
+        address,
+        port,
+        names,
+    )
 
 
 def _mvapich(env, local_devices, outside, forced):
@@ -140,13 +221,28 @@ def _mvapich(env, local_devices, outside, forced):
     if not forced and not any(k in env for k in keys):
         return None
     require(env, "MVAPICH2", keys, fix="Start it with mpirun_rsh / mpiexec.")
-    world, rank = read_whole(env, "MV2_COMM_WORLD_SIZE"), read_whole(env, "MV2_COMM_WORLD_RANK", minimum=0)
+    world, rank = (
+        read_whole(env, "MV2_COMM_WORLD_SIZE"),
+        read_whole(env, "MV2_COMM_WORLD_RANK", minimum=0),
+    )
     names = keys + ("MV2_COMM_WORLD_LOCAL_RANK",)
-    return _mpi_join("mvapich", "MVAPICH2", env, outside, world, rank,
-                     read_local_rank(env, "MV2_COMM_WORLD_LOCAL_RANK"), None, None, names)
+    return _mpi_join(
+        "mvapich",
+        "MVAPICH2",
+        env,
+        outside,
+        world,
+        rank,
+        read_local_rank(env, "MV2_COMM_WORLD_LOCAL_RANK"),
+        None,
+        None,
+        names,
+    )
 
 
-def _mpi_join(name, what, env, outside, world, rank, local, address, port, names):
+def _mpi_join(
+    name, what, env, outside, world, rank, local, address, port, names
+):
     """An MPI row's Launch. MASTER_ADDR / MASTER_PORT win; else the address
     the MPI tells; else rank 0's, broadcast over MPI by mpi4py where it is
     installed; else an error asking for MASTER_ADDR."""
@@ -166,17 +262,31 @@ def _mpi_join(name, what, env, outside, world, rank, local, address, port, names
             "`mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`; or install "
             "mpi4py; or launch with torchrun / `ktd run` instead."
         )
-    port = read_port(env, "MASTER_PORT") if env.get("MASTER_PORT") else (port or DEFAULT_PORT)
+    port = (
+        read_port(env, "MASTER_PORT")
+        if env.get("MASTER_PORT")
+        else (port or DEFAULT_PORT)
+    )
     return join(name, env, world, rank, local, address, port, names)
 
 
 def _lsf(env, local_devices, outside, forced):
-    keys = ("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK",
-            "JSM_NAMESPACE_LOCAL_RANK")
+    keys = (
+        "LSB_JOBID",
+        "LSB_DJOB_RANKFILE",
+        "JSM_NAMESPACE_SIZE",
+        "JSM_NAMESPACE_RANK",
+        "JSM_NAMESPACE_LOCAL_RANK",
+    )
     if not forced and not any(k.startswith("JSM_") and k in env for k in keys):
         return None
-    require(env, "LSF jsrun", keys, fix="Start it with jsrun (it sets all of them).")
-    world, rank = read_whole(env, "JSM_NAMESPACE_SIZE"), read_whole(env, "JSM_NAMESPACE_RANK", minimum=0)
+    require(
+        env, "LSF jsrun", keys, fix="Start it with jsrun (it sets all of them)."
+    )
+    world, rank = (
+        read_whole(env, "JSM_NAMESPACE_SIZE"),
+        read_whole(env, "JSM_NAMESPACE_RANK", minimum=0),
+    )
     address = env.get("MASTER_ADDR")
     if not address:
         # Line 1 is the launch node; the compute hosts follow, rank 0's first.
@@ -189,13 +299,28 @@ def _lsf(env, local_devices, outside, forced):
                 "host and MASTER_PORT to a free port there."
             )
         address = hosts[0]
-    port = (read_port(env, "MASTER_PORT") if env.get("MASTER_PORT")
-            else read_whole(env, "LSB_JOBID", minimum=0) % 1000 + 10000)
-    return join("lsf", env, world, rank, read_local_rank(env, "JSM_NAMESPACE_LOCAL_RANK"),
-                 address, port, keys + ("MASTER_ADDR", "MASTER_PORT"))
+    port = (
+        read_port(env, "MASTER_PORT")
+        if env.get("MASTER_PORT")
+        else read_whole(env, "LSB_JOBID", minimum=0) % 1000 + 10000
+    )
+    return join(
+        "lsf",
+        env,
+        world,
+        rank,
+        read_local_rank(env, "JSM_NAMESPACE_LOCAL_RANK"),
+        address,
+        port,
+        keys + ("MASTER_ADDR", "MASTER_PORT"),
+    )
 
 
-_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+_SLURM_NODELISTS = (
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+)
 
 
 def _slurm(env, local_devices, outside, forced):
@@ -205,14 +330,27 @@ def _slurm(env, local_devices, outside, forced):
     if not forced and "SLURM_STEP_ID" not in env:
         return None
     keys = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_LOCALID")
-    tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-    nodelist = next((k for k in _SLURM_NODELISTS if env.get(k)), "SLURM_STEP_NODELIST")
+    tasks = (
+        "SLURM_STEP_NUM_TASKS"
+        if "SLURM_STEP_NUM_TASKS" in env
+        else "SLURM_NTASKS"
+    )
+    nodelist = next(
+        (k for k in _SLURM_NODELISTS if env.get(k)), "SLURM_STEP_NODELIST"
+    )
     names = keys + (tasks, nodelist)
-    require(env, "SLURM (an srun step)", names,
-             fix="Start the script with srun inside the allocation, e.g. `srun python "
-                 "train.py` (srun sets all of them).")
+    require(
+        env,
+        "SLURM (an srun step)",
+        names,
+        fix="Start the script with srun inside the allocation, e.g. `srun python "
+        "train.py` (srun sets all of them).",
+    )
     world = read_whole(env, tasks)
-    rank, local = read_whole(env, "SLURM_PROCID", minimum=0), read_whole(env, "SLURM_LOCALID", minimum=0)
+    rank, local = (
+        read_whole(env, "SLURM_PROCID", minimum=0),
+        read_whole(env, "SLURM_LOCALID", minimum=0),
+    )
     address, port = _slurm_step_address(env)
     names = names + ("SLURM_NODEID", "MASTER_ADDR", "MASTER_PORT")
     joined = join("slurm", env, world, rank, local, address, port, names)
@@ -222,16 +360,33 @@ def _slurm(env, local_devices, outside, forced):
         return joined
     # One task per node on nodes with several devices: each task starts its
     # node's processes (rank = node rank * processes per node + index).
-    node_rank = read_whole(env, "SLURM_NODEID", minimum=0) if "SLURM_NODEID" in env else rank
-    return _node_launcher("slurm", env, nnodes, node_rank, nproc, address, port,
-                          names, joined if world > 1 else Launch("slurm", SINGLE))
+    node_rank = (
+        read_whole(env, "SLURM_NODEID", minimum=0)
+        if "SLURM_NODEID" in env
+        else rank
+    )
+    return _node_launcher(
+        "slurm",
+        env,
+        nnodes,
+        node_rank,
+        nproc,
+        address,
+        port,
+        names,
+        joined if world > 1 else Launch("slurm", SINGLE),
+    )
 
 
 def _slurm_step_address(env):
     """(first host of the step, port from the job and step ids), MASTER_ADDR /
     MASTER_PORT winning; None outside a step."""
     nodelist = next((env[k] for k in _SLURM_NODELISTS if env.get(k)), None)
-    if "SLURM_STEP_ID" not in env or "SLURM_JOB_ID" not in env or nodelist is None:
+    if (
+        "SLURM_STEP_ID" not in env
+        or "SLURM_JOB_ID" not in env
+        or nodelist is None
+    ):
         return None
     address = env.get("MASTER_ADDR") or hostlist.first_host(nodelist)
     if env.get("MASTER_PORT"):
@@ -251,14 +406,24 @@ def _slurm_nodes(env, nodelist):
 def _pet(env, local_devices, outside, forced):
     """A node launcher's PET_* variables (torchrun reads them as its options):
     one process per node, which starts PET_NPROC_PER_NODE processes."""
-    if not forced and not any(k in env for k in ("PET_NNODES", "PET_NODE_RANK")):
+    if not forced and not any(
+        k in env for k in ("PET_NNODES", "PET_NODE_RANK")
+    ):
         return None
-    address_name = "PET_MASTER_ADDR" if env.get("PET_MASTER_ADDR") else "MASTER_ADDR"
-    port_name = "PET_MASTER_PORT" if env.get("PET_MASTER_PORT") else "MASTER_PORT"
+    address_name = (
+        "PET_MASTER_ADDR" if env.get("PET_MASTER_ADDR") else "MASTER_ADDR"
+    )
+    port_name = (
+        "PET_MASTER_PORT" if env.get("PET_MASTER_PORT") else "MASTER_PORT"
+    )
     names = ("PET_NNODES", "PET_NODE_RANK", address_name, port_name)
-    require(env, "a PET_* node launcher (Kubeflow)", names,
-             fix="Set them as Kubeflow's TrainJob does, or start torchrun, which "
-                 "reads them.")
+    require(
+        env,
+        "a PET_* node launcher (Kubeflow)",
+        names,
+        fix="Set them as Kubeflow's TrainJob does, or start torchrun, which "
+        "reads them.",
+    )
     low, _, high = env["PET_NNODES"].partition(":")
     if high and high != low:
         raise IncompleteEnvironmentError(
@@ -282,8 +447,17 @@ def _pet(env, local_devices, outside, forced):
     joined = join("pet", env, nnodes, node_rank, 0, address, port, names)
     if nproc == 1:
         return joined
-    return _node_launcher("pet", env, nnodes, node_rank, nproc, address, port, names,
-                          joined if nnodes > 1 else Launch("pet", SINGLE))
+    return _node_launcher(
+        "pet",
+        env,
+        nnodes,
+        node_rank,
+        nproc,
+        address,
+        port,
+        names,
+        joined if nnodes > 1 else Launch("pet", SINGLE),
+    )
 
 
 def _pet_processes(env, local_devices):
@@ -301,11 +475,22 @@ def _pet_processes(env, local_devices):
     return read_whole(env, "PET_NPROC_PER_NODE")
 
 
-def _node_launcher(name, env, nnodes, node_rank, nproc, address, port, names, fallback):
+def _node_launcher(
+    name, env, nnodes, node_rank, nproc, address, port, names, fallback
+):
     return Launch(
-        name, SPAWN, world=nnodes * nproc, rank=None, local_rank=None,
-        address=address, port=port, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-        fallback=fallback, variables=present(env, names + (SPAWN_VARIABLE,)),
+        name,
+        SPAWN,
+        world=nnodes * nproc,
+        rank=None,
+        local_rank=None,
+        address=address,
+        port=port,
+        nproc=nproc,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        fallback=fallback,
+        variables=present(env, names + (SPAWN_VARIABLE,)),
     )
 
 

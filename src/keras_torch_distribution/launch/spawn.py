@@ -49,8 +49,10 @@ def why_not(first_use=None, environ=os.environ):
     main = sys.modules.get("__main__")
     argv0 = sys.argv[0] if sys.argv else ""
     if first_use:
-        return (f"{first_use} started the process group on first use, with the "
-                "script already running")
+        return (
+            f"{first_use} started the process group on first use, with the "
+            "script already running"
+        )
     if environments.spawn_setting(environ) == 0:
         return f"{environments.SPAWN_VARIABLE}=0 is set"
     if environ.get(LAUNCHED_VARIABLE) or environ.get("TORCHELASTIC_RUN_ID"):
@@ -61,7 +63,9 @@ def why_not(first_use=None, environ=os.environ):
         return "it runs in a Jupyter kernel"
     if argv0 in ("-c", "-", ""):
         return "Python runs a program given by -c or on stdin, which cannot be run again"
-    if not getattr(main, "__file__", None) and not getattr(main, "__spec__", None):
+    if not getattr(main, "__file__", None) and not getattr(
+        main, "__spec__", None
+    ):
         return "the main module is no file that can be run again"
     if threading.current_thread() is not threading.main_thread():
         return "initialize() was called outside the main thread"
@@ -93,7 +97,9 @@ def start_processes(launch, timeout_seconds):
     """Run this node's `launch.nproc` processes of `launch` under torch's
     elastic agent and exit when they end: 0 when all succeed, otherwise
     naming the process that failed first. Never returns."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+    )
     from torch.distributed.launcher.api import LaunchConfig
     from torch.distributed.launcher.api import elastic_launch
 
@@ -107,12 +113,20 @@ def start_processes(launch, timeout_seconds):
         # torchrun --nnodes N --node-rank R --master-addr A --master-port P:
         # node 0's agent hosts the store that every node's processes join.
         backend, endpoint = "static", f"{launch.address}:{launch.port}"
-        rendezvous, run_id = {"rank": launch.node_rank}, f"ktd-{launch.environment}"
+        rendezvous, run_id = (
+            {"rank": launch.node_rank},
+            f"ktd-{launch.environment}",
+        )
     config = LaunchConfig(
-        min_nodes=launch.nnodes, max_nodes=launch.nnodes, nproc_per_node=launch.nproc,
-        run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint,
+        min_nodes=launch.nnodes,
+        max_nodes=launch.nnodes,
+        nproc_per_node=launch.nproc,
+        run_id=run_id,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
         rdzv_configs=dict(rendezvous, timeout=int(max(timeout_seconds, 1))),
-        max_restarts=0, monitor_interval=0.1,
+        max_restarts=0,
+        monitor_interval=0.1,
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun, for nproc > 1
     os.environ[LAUNCHED_VARIABLE] = "1"

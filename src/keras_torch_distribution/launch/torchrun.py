@@ -25,14 +25,27 @@ _OWN_OPTIONS = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
 # Options that tell torchrun where the other nodes are: with any of them (or
 # more than one node), `ktd run` does not add --standalone.
 _RENDEZVOUS_OPTIONS = (
-    "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend",
-    "--rdzv-id", "--rdzv_id", "--master-addr", "--master_addr",
-    "--master-port", "--master_port",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--rdzv-id",
+    "--rdzv_id",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
 )
 # torchrun options that change what is run: `ktd run` always runs a script
 # file through keras_torch_distribution.launch, so they cannot be combined.
-_UNSUPPORTED_OPTIONS = ("-m", "--module", "--no-python", "--no_python",
-                        "--run-path", "--run_path")
+_UNSUPPORTED_OPTIONS = (
+    "-m",
+    "--module",
+    "--no-python",
+    "--no_python",
+    "--run-path",
+    "--run_path",
+)
 # Words torchrun accepts for --nproc-per-node besides a number.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
@@ -90,14 +103,20 @@ def torchrun_arguments(argv):
         if name == "--nproc-per-node":
             _check_nproc(option.partition("=")[0], value)
     if index >= len(argv):
-        raise SystemExit("ktd run: give a script to run, e.g. `ktd run -n 2 train.py`")
+        raise SystemExit(
+            "ktd run: give a script to run, e.g. `ktd run -n 2 train.py`"
+        )
     multi_node = nnodes not in ("1", "1:1") or any(
         a.split("=")[0] in _RENDEZVOUS_OPTIONS for a in arguments
     )
     if not multi_node and "--standalone" not in arguments:
         arguments.append("--standalone")
-    script, script_args = argv[index], argv[index + 1:]
-    return arguments + ["-m", "keras_torch_distribution.launch", script] + script_args
+    script, script_args = argv[index], argv[index + 1 :]
+    return (
+        arguments
+        + ["-m", "keras_torch_distribution.launch", script]
+        + script_args
+    )
 
 
 def _check_nproc(option, value):
@@ -129,9 +148,15 @@ def _hosted_port(arguments):
     from torch.distributed import run as torch_run
 
     parsed = torch_run.parse_args(arguments)
-    if parsed.standalone or parsed.rdzv_backend != "static" or parsed.node_rank != 0:
+    if (
+        parsed.standalone
+        or parsed.rdzv_backend != "static"
+        or parsed.node_rank != 0
+    ):
         return None
-    endpoint = parsed.rdzv_endpoint or f"{parsed.master_addr}:{parsed.master_port}"
+    endpoint = (
+        parsed.rdzv_endpoint or f"{parsed.master_addr}:{parsed.master_port}"
+    )
     port = endpoint.rpartition(":")[2]
     return int(port) if port.isdigit() else None
 
@@ -156,7 +181,9 @@ def _check_port_free(port):
         except OSError as error:
             if error.errno != errno.EADDRINUSE:
                 raise
-            raise SystemExit(_port_in_use_message(port, error.strerror)) from None
+            raise SystemExit(
+                _port_in_use_message(port, error.strerror)
+            ) from None
 
 
 def run(argv):
@@ -164,7 +191,9 @@ def run(argv):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from torch.distributed import DistNetworkError
     from torch.distributed import run as torch_run
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+    )
 
     arguments = torchrun_arguments(argv)
     _check_settings()
@@ -179,12 +208,16 @@ def run(argv):
     except ChildFailedError as error:
         # torchrun stopped every other process when this one failed; say
         # which rank failed first, without the launcher's own traceback.
-        raise SystemExit(f"{error}\n{failure_summary(error.failures)}") from None
+        raise SystemExit(
+            f"{error}\n{failure_summary(error.failures)}"
+        ) from None
     except DistNetworkError as error:
         if port is None or "EADDRINUSE" not in str(error):
             raise
         # Taken between our check and torchrun's own bind.
-        raise SystemExit(_port_in_use_message(port, "address already in use")) from None
+        raise SystemExit(
+            _port_in_use_message(port, "address already in use")
+        ) from None
     finally:  # (run() is also called in tests' own process)
         if parent_before is None:
             del os.environ[PARENT_PID_VARIABLE]

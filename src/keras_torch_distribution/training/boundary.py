@@ -17,12 +17,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.variables import copies
-from keras_torch_distribution.fsdp import gathering
-from keras_torch_distribution.fsdp import groups
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import tensors
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.fsdp import groups
 from keras_torch_distribution.variables import born_sharded
+from keras_torch_distribution.variables import copies
+
 
 class ActiveForward:
     """While a compiled step of `model` runs, its outermost calls go
@@ -63,9 +64,11 @@ def _outermost_call(original, layer, *args, **kwargs):
     if active_forward.model is layer and not torch.compiler.is_compiling():
         return active_forward.forward(original, layer, *args, **kwargs)
     if gathering.plans_exist():
-        with gathering.regathering_in_backward(), groups.forward_scope(
-            layer
-        ), groups.group_scope(layer):
+        with (
+            gathering.regathering_in_backward(),
+            groups.forward_scope(layer),
+            groups.group_scope(layer),
+        ):
             return convert_outputs(original, layer, True, *args, **kwargs)
     return convert_outputs(original, layer, True, *args, **kwargs)
 
@@ -75,7 +78,9 @@ def _plain_inputs(args, kwargs):
     distributes its prompt with `distribute_tensor`) as their whole values,
     as the plain inputs fit / evaluate / predict pass. Collective when an
     input is a sharded DTensor: call on every rank."""
-    if not any(isinstance(t, DTensor) for t in keras.tree.flatten((args, kwargs))):
+    if not any(
+        isinstance(t, DTensor) for t in keras.tree.flatten((args, kwargs))
+    ):
         return args, kwargs
     return keras.tree.map_structure(plain, (args, kwargs))
 
@@ -103,7 +108,9 @@ def _explain_uneven(layer, error):
     found = []
     for variable in layer.weights:
         value = _keras.raw_value(variable)
-        uneven = layouts.uneven_dims(value) if isinstance(value, DTensor) else []
+        uneven = (
+            layouts.uneven_dims(value) if isinstance(value, DTensor) else []
+        )
         if uneven:
             found.append((variable, uneven))
     if not found:
@@ -114,7 +121,9 @@ def _explain_uneven(layer, error):
         axes += [None] * (len(variable.shape) - len(axes))
         for dim, _, _ in uneven:
             axes[dim] = None
-        splits = ", ".join(f"dim {d} of size {n} over {k} processes" for d, n, k in uneven)
+        splits = ", ".join(
+            f"dim {d} of size {n} over {k} processes" for d, n, k in uneven
+        )
         lines.append(
             f"variable {variable.path!r} (shape {tuple(variable.shape)}, layout "
             f"{tuple(variable._ktd_layout.axes)}) splits {splits}; a layout "

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.training import boundary
 from keras_torch_distribution.log import first_line
 from keras_torch_distribution.log import innermost
 from keras_torch_distribution.log import warn_once
+from keras_torch_distribution.training import boundary
+
 
 class CompiledForwards:
     """Each model's compiled outermost call, made once per model (torch
@@ -43,7 +44,9 @@ class CompiledForwards:
         return forward
 
     def clear(self):
-        self._by_model = weakref.WeakKeyDictionary()  # model -> _CompiledForward
+        self._by_model = (
+            weakref.WeakKeyDictionary()
+        )  # model -> _CompiledForward
 
 
 compiled_forwards = CompiledForwards()
@@ -74,7 +77,9 @@ class _CompiledForward:
 
     def __call__(self, original, layer, *args, **kwargs):
         if self.error is not None:
-            return boundary.convert_outputs(original, layer, True, *args, **kwargs)
+            return boundary.convert_outputs(
+                original, layer, True, *args, **kwargs
+            )
         try:
             return self.compiled(original, layer, *args, **kwargs)
         except Exception as error:
@@ -95,7 +100,9 @@ class _CompiledForward:
             # fails too, the error is the model's own and is raised as it
             # is; if not, torch.compile cannot handle this model: warn once
             # and stay eager.
-            outputs = boundary.convert_outputs(original, layer, True, *args, **kwargs)
+            outputs = boundary.convert_outputs(
+                original, layer, True, *args, **kwargs
+            )
             self.error = error
             warn_once(
                 ("jit-compile-fallback", self.model_name),
@@ -136,7 +143,7 @@ def unrecoverable_cause(error):
 
 
 def _why(error):
-    """"Type: message" of the error behind a failed compilation: the
+    """ "Type: message" of the error behind a failed compilation: the
     innermost of its causes (torch wraps the model's own error in its
     tracing errors, Keras in a layer-call error), with the outer type."""
     root = innermost(error)
@@ -195,7 +202,9 @@ def make_step_function(kind, original, model, force=False):
             f"kind={kind!r} is not a step kind: expected one of "
             f"{sorted(STEP_KINDS)}, as in Keras' make_<kind>_function."
         )
-    if _builds_compiled_step(model, _keras.model_step_function(model, kind), force):
+    if _builds_compiled_step(
+        model, _keras.model_step_function(model, kind), force
+    ):
         step = getattr(model, f"{kind}_step")
         function = _step_function(model, step, STEP_KINDS[kind])
         _keras.set_model_step_function(model, kind, function)

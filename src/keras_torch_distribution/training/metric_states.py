@@ -28,8 +28,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.training import boundary
 from keras_torch_distribution.distributed import collectives
+from keras_torch_distribution.training import boundary
 
 
 class FoldState:
@@ -74,8 +74,11 @@ def foldable(optimizer, group, gradients):
     tensors, weighted = [], []
     for variable in variables:
         value = _keras.raw_value(variable)
-        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) \
-                or value.dtype != torch.float32:
+        if (
+            not isinstance(value, torch.Tensor)
+            or isinstance(value, DTensor)
+            or value.dtype != torch.float32
+        ):
             return None
         weight = _weight(variable, group)
         if weight not in (0.0, 1.0):
@@ -83,7 +86,9 @@ def foldable(optimizer, group, gradients):
         tensors.append(value)
         weighted.append(value.detach() * weight)
     device = tensors[0].device
-    if not any(g.dtype == torch.float32 and g.device == device for g in gradients):
+    if not any(
+        g.dtype == torch.float32 and g.device == device for g in gradients
+    ):
         return None
     return variables, tensors, weighted
 
@@ -107,7 +112,8 @@ def reduced_states(variables, group):
     state.last = None
     values = [boundary.plain(v.value).detach() for v in variables]
     weighted = [
-        v.to(torch.float64) * _weight(s, group) for v, s in zip(values, variables)
+        v.to(torch.float64) * _weight(s, group)
+        for v, s in zip(values, variables)
     ]
     collectives.all_reduce(weighted, group.group, bucket_bytes=None)
     return [w.to(v.dtype) for w, v in zip(weighted, values)]
@@ -120,8 +126,10 @@ def _folded(variables, group):
     if last_group is not group or len(tensors) != len(variables):
         return None
     for variable, tensor, version in zip(variables, tensors, versions):
-        if (_keras.raw_value(variable) is not tensor
-                or _keras.raw_value_version(variable) != version):
+        if (
+            _keras.raw_value(variable) is not tensor
+            or _keras.raw_value_version(variable) != version
+        ):
             return None
     return summed
 

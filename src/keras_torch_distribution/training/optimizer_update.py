@@ -23,7 +23,11 @@ from keras_torch_distribution import _keras
 def _local_blocks(tensors):
     """The local blocks of `tensors` when they are all DTensors of one
     layout, or all plain; None when they mix (then DTensor ops are used)."""
-    specs = {(t.device_mesh, tuple(t.placements)) for t in tensors if isinstance(t, DTensor)}
+    specs = {
+        (t.device_mesh, tuple(t.placements))
+        for t in tensors
+        if isinstance(t, DTensor)
+    }
     if not specs:
         return list(tensors)
     if len(specs) > 1 or not all(isinstance(t, DTensor) for t in tensors):
@@ -44,10 +48,18 @@ def adam_update(original, optimizer, grads, keras_variables, learning_rate):
     # As Keras computes it: a 0-dim tensor in the variables' dtype.
     lr = keras.ops.cast(learning_rate, dtype)
     local_step = keras.ops.cast(optimizer.iterations + 1, dtype)
-    beta_1_power = keras.ops.power(keras.ops.cast(optimizer.beta_1, dtype), local_step)
-    beta_2_power = keras.ops.power(keras.ops.cast(optimizer.beta_2, dtype), local_step)
+    beta_1_power = keras.ops.power(
+        keras.ops.cast(optimizer.beta_1, dtype), local_step
+    )
+    beta_2_power = keras.ops.power(
+        keras.ops.cast(optimizer.beta_2, dtype), local_step
+    )
     alpha = lr * keras.ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-    beta_1, beta_2, epsilon = optimizer.beta_1, optimizer.beta_2, optimizer.epsilon
+    beta_1, beta_2, epsilon = (
+        optimizer.beta_1,
+        optimizer.beta_2,
+        optimizer.epsilon,
+    )
     hyper = (alpha, beta_1, beta_2, epsilon)
     every = []
     for index, (value, grad) in enumerate(zip(values, grads)):
@@ -95,7 +107,10 @@ def _chunks(every):
     for blocks in every:
         value = blocks[0]
         nbytes = value.numel() * value.element_size()
-        if chunk and (size + nbytes > FOREACH_CHUNK_BYTES or not _same_kind(chunk[0][0], value)):
+        if chunk and (
+            size + nbytes > FOREACH_CHUNK_BYTES
+            or not _same_kind(chunk[0][0], value)
+        ):
             yield chunk
             chunk, size = [], 0
         chunk.append(blocks)

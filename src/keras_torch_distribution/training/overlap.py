@@ -35,7 +35,8 @@ class OverlappedReducer:
             for param in bucket:
                 self.bucket_of[id(param)] = index
         self.handles = [
-            p.register_post_accumulate_grad_hook(self._on_gradient) for p in self.params
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+            for p in self.params
         ]
         self._reset()
 
@@ -53,18 +54,17 @@ class OverlappedReducer:
         if self.ready[index] > len(self.buckets[index]):
             self.dirty = True  # a second backward before the step
             return
-        while (
-            self.next_to_launch < len(self.buckets)
-            and self.ready[self.next_to_launch] == len(self.buckets[self.next_to_launch])
-        ):
+        while self.next_to_launch < len(self.buckets) and self.ready[
+            self.next_to_launch
+        ] == len(self.buckets[self.next_to_launch]):
             self._launch(self.next_to_launch)
             self.next_to_launch += 1
 
     def _launch(self, index):
         pieces = [
-            p.grad if p.grad is not None else torch.zeros(
-                p.numel(), dtype=p.dtype, device=p.device
-            )
+            p.grad
+            if p.grad is not None
+            else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
             for p in self.buckets[index]
         ]
         self.works[index] = collectives.FlatBucket(pieces).all_reduce(

@@ -25,11 +25,11 @@ predictions of every replica gathered by `trainer`).
 import weakref
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.training import compiled
-from keras_torch_distribution.variables import copies
 from keras_torch_distribution.distributed import runtime
-from keras_torch_distribution.training import trainer
 from keras_torch_distribution.log import logger
+from keras_torch_distribution.training import compiled
+from keras_torch_distribution.training import trainer
+from keras_torch_distribution.variables import copies
 
 
 class EqualizedModels:
@@ -67,7 +67,11 @@ def make_step_function(kind, original, model, force=False):
 
     def distributed_step(data):
         owner = model_ref()
-        if owner is not None and owner not in equalized.models and runtime.is_multi_process():
+        if (
+            owner is not None
+            and owner not in equalized.models
+            and runtime.is_multi_process()
+        ):
             equalize(owner)
         if clears_gradients and owner is not None:
             # Keras' train_step sets the last step's gradients to None after
@@ -88,7 +92,12 @@ def equalize(model):
     """Make every copy of `model`'s variables equal to the first copy (see
     the module docstring), but for those equal already (`copies`).
     Collective: call on every rank."""
-    count = copies.make_equal([v for v in model.variables if not copies.are_equal(v)])
+    count = copies.make_equal(
+        [v for v in model.variables if not copies.are_equal(v)]
+    )
     equalized.models.add(model)
-    logger.debug("Made %d variable blocks of model %r equal across replicas.", count, model.name)
-
+    logger.debug(
+        "Made %d variable blocks of model %r equal across replicas.",
+        count,
+        model.name,
+    )

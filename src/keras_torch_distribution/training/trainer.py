@@ -18,20 +18,21 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import saving
 from keras_torch_distribution.distributed import agreement
-from keras_torch_distribution.training import boundary
 from keras_torch_distribution.distributed import collectives
-from keras_torch_distribution.training import gradients
-from keras_torch_distribution.training import metric_states
-from keras_torch_distribution.training import overlap
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import runtime
-from keras_torch_distribution import saving
 from keras_torch_distribution.distributed import stopping
 from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.training import boundary
+from keras_torch_distribution.training import gradients
+from keras_torch_distribution.training import metric_states
+from keras_torch_distribution.training import overlap
 from keras_torch_distribution.variables import born_sharded
 from keras_torch_distribution.variables import left_whole
+
 
 class OptimizerSync:
     """What gradient synchronisation keeps between and within steps."""
@@ -94,7 +95,9 @@ _eager_apply = torch._dynamo.disable(
 
 def _synchronize(optimizer, grads, variables_, group):
     steps = optimizer.gradient_accumulation_steps
-    reducer = None if steps else _overlapped_reducer(optimizer, variables_, group)
+    reducer = (
+        None if steps else _overlapped_reducer(optimizer, variables_, group)
+    )
     if reducer is not None and reducer.finish(grads):
         return
     # Gradients of variables sharded on the batch axis (FSDP) arrive
@@ -122,8 +125,12 @@ def _synchronize(optimizer, grads, variables_, group):
     # The step's metric states ride along (`metric_states`): no all-reduce
     # of their own at the step's end.
     folded = metric_states.foldable(optimizer, group, local)
-    collectives.all_reduce(local, group.group, scale / group.count,
-                           unscaled=folded[2] if folded else ())
+    collectives.all_reduce(
+        local,
+        group.group,
+        scale / group.count,
+        unscaled=folded[2] if folded else (),
+    )
     if folded:
         metric_states.record(folded, group)
 
@@ -135,7 +142,9 @@ def _overlapped_reducer(optimizer, variables, group):
     params = [_keras.raw_value(v) for v in variables]
     reducers = optimizer_sync.reducers
     reducer = reducers.get(optimizer)
-    if reducer is not None and [id(p) for p in reducer.params] == [id(p) for p in params]:
+    if reducer is not None and [id(p) for p in reducer.params] == [
+        id(p) for p in params
+    ]:
         return reducer
     if reducer is not None:
         reducer.remove()
@@ -191,7 +200,9 @@ def _gather_rows(tensor, group):
     dist.all_gather_object(sizes, int(tensor.shape[0]), group=group.group)
     largest = max(sizes)
     padded = torch.zeros(
-        (largest,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
+        (largest,) + tuple(tensor.shape[1:]),
+        dtype=tensor.dtype,
+        device=tensor.device,
     )
     padded[: tensor.shape[0]] = tensor
     pieces = [torch.empty_like(padded) for _ in range(group.count)]
@@ -208,7 +219,8 @@ def _with_last(callbacks, callback, model):
         return [callback]
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return keras.callbacks.CallbackList(
-            list(callbacks.callbacks) + [callback], model=model,
+            list(callbacks.callbacks) + [callback],
+            model=model,
             **(callbacks.params or {}),
         )
     return list(callbacks) + [callback]
@@ -227,9 +239,17 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
     left_whole.warn_if_left_whole(model.variables, distribution)
     if runtime.process_id() != 0:
         kwargs["verbose"] = 0
-        kwargs["callbacks"] = saving.callbacks_for_this_rank(kwargs.get("callbacks"))
-    if original.__name__ == "fit" and _keras.current_distribution() is not None and runtime.is_multi_process():
-        kwargs["callbacks"] = _with_last(kwargs.get("callbacks"), stopping.StopTogether(), model)
+        kwargs["callbacks"] = saving.callbacks_for_this_rank(
+            kwargs.get("callbacks")
+        )
+    if (
+        original.__name__ == "fit"
+        and _keras.current_distribution() is not None
+        and runtime.is_multi_process()
+    ):
+        kwargs["callbacks"] = _with_last(
+            kwargs.get("callbacks"), stopping.StopTogether(), model
+        )
     try:
         return original(model, *args, **kwargs)
     finally:

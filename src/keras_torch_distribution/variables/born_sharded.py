@@ -17,12 +17,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.variables import copies
-from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.variables import sharded_init
 from keras_torch_distribution.distributed import tensors
+from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.log import warn_once
+from keras_torch_distribution.variables import copies
+from keras_torch_distribution.variables import sharded_init
+
 
 class VariablesState:
     """Process-wide facts about this process's variables."""
@@ -86,7 +87,9 @@ def sharded_layout(variable):
     if isinstance(layout, layouts.TorchLayout):
         torch_layout = layout
     elif layout is not None:
-        layouts.check_rank(layout, variable.shape, f"variable {variable.path!r}")
+        layouts.check_rank(
+            layout, variable.shape, f"variable {variable.path!r}"
+        )
         if any(axis is not None for axis in layout.axes):
             torch_layout = layout.backend_layout
     if torch_layout is not None:
@@ -135,7 +138,10 @@ def warn_if_created_outside(variables, distribution):
     if distribution is None:
         return
     for variable in variables:
-        if getattr(variable, "_ktd_distributed", True) or _keras.variable_layout(variable) is not None:
+        if (
+            getattr(variable, "_ktd_distributed", True)
+            or _keras.variable_layout(variable) is not None
+        ):
             continue
         layout = distribution.get_variable_layout(variable)
         if layout is not None and any(axis is not None for axis in layout.axes):
@@ -161,7 +167,10 @@ def _set_value(variable, tensor):
     if isinstance(tensor, DTensor):
         state.sharded_exist = True
     _keras.set_raw_value(
-        variable, torch.nn.Parameter(tensor, requires_grad=_requires_grad(variable, tensor))
+        variable,
+        torch.nn.Parameter(
+            tensor, requires_grad=_requires_grad(variable, tensor)
+        ),
     )
 
 
@@ -180,7 +189,10 @@ def initialize(original, variable, value):
     else:
         # Sliced where the value is (numpy: host memory): only this rank's
         # block goes to the device.
-        _set_value(variable, tensors.to_layout(tensors.where_it_is(value, dtype), torch_layout))
+        _set_value(
+            variable,
+            tensors.to_layout(tensors.where_it_is(value, dtype), torch_layout),
+        )
     copies.created(variable, constant=state.initializing_constant)
 
 
@@ -206,7 +218,9 @@ def initialize_with_initializer(original, variable, initializer):
 
 
 _CONSTANT_INITIALIZERS = (
-    keras.initializers.Zeros, keras.initializers.Ones, keras.initializers.Constant,
+    keras.initializers.Zeros,
+    keras.initializers.Ones,
+    keras.initializers.Constant,
 )
 
 

@@ -130,7 +130,12 @@ def make_equal(variables):
             for axis, placement in enumerate(value.placements):
                 if isinstance(placement, Replicate) and mesh.size(axis) > 1:
                     group = mesh.get_group(axis)
-                    _add(groups, group, dist.get_global_rank(group, 0), value.to_local())
+                    _add(
+                        groups,
+                        group,
+                        dist.get_global_rank(group, 0),
+                        value.to_local(),
+                    )
         else:
             _add(groups, dist.group.WORLD, 0, value)
     count = 0

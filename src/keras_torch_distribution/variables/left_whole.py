@@ -24,8 +24,8 @@ import re
 import torch
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.variables import born_sharded
 from keras_torch_distribution.log import warn_once
+from keras_torch_distribution.variables import born_sharded
 
 # A whole variable above this share of the model's bytes is worth a warning.
 SHARE = 0.05
@@ -36,7 +36,10 @@ def global_bytes(shape, dtype):
     a torch dtype)."""
     if not isinstance(dtype, torch.dtype):
         dtype = _keras.to_torch_dtype(dtype)
-    return math.prod(int(n) for n in shape) * torch.empty((), dtype=dtype).element_size()
+    return (
+        math.prod(int(n) for n in shape)
+        * torch.empty((), dtype=dtype).element_size()
+    )
 
 
 def suggested_axes(shape, mesh_axes, batch_axis):
@@ -46,7 +49,9 @@ def suggested_axes(shape, mesh_axes, batch_axis):
     or the variable is a scalar."""
     if not shape or max(mesh_axes.values(), default=1) <= 1:
         return None
-    axis = max(mesh_axes, key=lambda name: (mesh_axes[name], name == batch_axis))
+    axis = max(
+        mesh_axes, key=lambda name: (mesh_axes[name], name == batch_axis)
+    )
     dim = max(range(len(shape)), key=lambda d: (int(shape[d]), -d))
     return tuple(axis if d == dim else None for d in range(len(shape)))
 
@@ -71,7 +76,11 @@ def left_whole(model_variables, distribution):
         return []
     model_variables = list(model_variables)
     total = sum(global_bytes(v.shape, v.dtype) for v in model_variables)
-    sharded = [v for v in model_variables if getattr(v, "_ktd_layout", None) is not None]
+    sharded = [
+        v
+        for v in model_variables
+        if getattr(v, "_ktd_layout", None) is not None
+    ]
     if not total or not sharded:
         return []
     mesh_axes = _mesh_axes(distribution)
@@ -84,18 +93,22 @@ def left_whole(model_variables, distribution):
         ):
             continue
         nbytes = born_sharded.local_bytes(variable)
-        axes = suggested_axes(variable.shape, mesh_axes, distribution.batch_dim_name)
+        axes = suggested_axes(
+            variable.shape, mesh_axes, distribution.batch_dim_name
+        )
         if nbytes <= SHARE * total or axes is None:
             continue
-        found.append({
-            "variable": variable,
-            "bytes": nbytes,
-            "share": nbytes / total,
-            "key": layout_map_key(variable.path),
-            "axes": axes,
-            "ways": mesh_axes[next(a for a in axes if a is not None)],
-            "sharded_count": len(sharded),
-        })
+        found.append(
+            {
+                "variable": variable,
+                "bytes": nbytes,
+                "share": nbytes / total,
+                "key": layout_map_key(variable.path),
+                "axes": axes,
+                "ways": mesh_axes[next(a for a in axes if a is not None)],
+                "sharded_count": len(sharded),
+            }
+        )
     return found
 
 

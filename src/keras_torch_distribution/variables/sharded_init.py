@@ -29,7 +29,6 @@ CHUNK_DRAWS = 1 << 20
 _NORMAL_BLOCK = 16
 
 
-
 class RandomCall:
     """What a Keras random initializer asked for, recorded instead of drawn."""
 
@@ -48,7 +47,9 @@ class _RandomRecorder:
 
     @staticmethod
     def truncated_normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
-        return RandomCall("truncated_normal", shape, dtype, seed, (mean, stddev))
+        return RandomCall(
+            "truncated_normal", shape, dtype, seed, (mean, stddev)
+        )
 
     @staticmethod
     def uniform(shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
@@ -143,7 +144,9 @@ def _stream_block(call, shape, torch_dtype, box, max_draws=None):
     for start, stop in groups:
         if start >= row_hi:
             break
-        chunk = _draw(call, (stop - start,) + row_shape, torch_dtype, generator, buffer)
+        chunk = _draw(
+            call, (stop - start,) + row_shape, torch_dtype, generator, buffer
+        )
         lo, hi = max(start, row_lo), min(stop, row_hi)
         if lo < hi:
             # Copy out and drop the chunk: at most one chunk is alive.
@@ -162,7 +165,9 @@ def _draw(call, shape, torch_dtype, generator, buffer):
     out = buffer[: math.prod(shape)].view(shape)
     if call.kind == "normal":
         mean, stddev = call.params
-        return torch.normal(mean, stddev, size=shape, generator=generator, out=out)
+        return torch.normal(
+            mean, stddev, size=shape, generator=generator, out=out
+        )
     if call.kind == "uniform":
         minval, maxval = call.params
         values = torch.rand(size=shape, generator=generator, out=out)
