@@ -30,6 +30,7 @@ from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.fsdp import groups
 from keras_torch_distribution.training import boundary
 from keras_torch_distribution.training import compiled
+from keras_torch_distribution.training import gradients
 from keras_torch_distribution.training import metric_states
 from keras_torch_distribution.training import optimizer_update
 from keras_torch_distribution.training import replica_start
@@ -325,7 +326,7 @@ def _state_objects():
     return (
         sharding_rules.registration,  # torch's own rules and handlers back
         born_sharded.state,  # implicit replication off; no sharded variables seen
-        trainer.optimizer_sync,  # overlapped reducers and their gradient hooks
+        gradients.optimizer_sync,  # overlapped reducers and their gradient hooks
         metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,
         boundary.active_forward,

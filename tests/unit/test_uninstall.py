@@ -12,9 +12,9 @@ from keras_torch_distribution import _install
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import sharding_rules
 from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.training import gradients
 from keras_torch_distribution.training import overlap
 from keras_torch_distribution.training import replica_start
-from keras_torch_distribution.training import trainer
 from keras_torch_distribution.variables import born_sharded
 
 _RULE_OPS = (
@@ -118,7 +118,7 @@ def test_uninstall_removes_gradient_hooks_and_clears_state(reinstall):
     ]
     reducer = overlap.OverlappedReducer(params, group=None, count=2)
     optimizer = keras.optimizers.SGD()
-    trainer.optimizer_sync.reducers[optimizer] = reducer
+    gradients.optimizer_sync.reducers[optimizer] = reducer
     assert all(p._post_accumulate_grad_hooks for p in params)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     replica_start.equalized.models.add(model)
@@ -130,8 +130,8 @@ def test_uninstall_removes_gradient_hooks_and_clears_state(reinstall):
     keras_torch_distribution.uninstall()
 
     assert not any(p._post_accumulate_grad_hooks for p in params)
-    assert len(trainer.optimizer_sync.reducers) == 0
-    assert trainer.optimizer_sync.apply_depth == 0
+    assert len(gradients.optimizer_sync.reducers) == 0
+    assert gradients.optimizer_sync.apply_depth == 0
     assert model not in replica_start.equalized.models
     assert not gathering.plans_exist()
     assert not born_sharded.has_sharded_variables()

@@ -3,7 +3,6 @@ metrics, and Keras' training loop on N processes.
 
 Modules, bottom first (a module imports only those above it):
 
-- `gradients`: gradients aligned with their variables' layouts.
 - `overlap`: the gradient all-reduce overlapped with backward, as DDP does
   it.
 - `optimizer_update`: Keras' torch Adam update in place, on local blocks.
@@ -11,11 +10,12 @@ Modules, bottom first (a module imports only those above it):
 - `compiled`: `jit_compile=True` under a distribution.
 - `metric_states`: metric states summed over replicas, in the gradient
   all-reduce when it has one.
+- `gradients`: gradients aligned with their variables' layouts and averaged
+  over the replicas (the step's metric states riding along).
 - `trainer`: fit / evaluate / predict on N processes: gradient sync,
   metrics, predictions, logs.
 - `replica_start`: copies of a variable are equal before a model's first
   step.
 
 Nothing is re-exported: importing the package imports none of them.
-
 """

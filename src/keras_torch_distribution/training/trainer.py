@@ -10,56 +10,28 @@ predict step (`replica_start.make_step_function`). The model boundary is
 `boundary.py`, jit_compile `compiled.py`.
 """
 
-import weakref
 
 import keras
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import saving
 from keras_torch_distribution.distributed import agreement
-from keras_torch_distribution.distributed import collectives
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import stopping
-from keras_torch_distribution.distributed import tensors
-from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.training import boundary
 from keras_torch_distribution.training import gradients
 from keras_torch_distribution.training import metric_states
-from keras_torch_distribution.training import overlap
 from keras_torch_distribution.variables import born_sharded
 from keras_torch_distribution.variables import left_whole
-
-
-class OptimizerSync:
-    """What gradient synchronisation keeps between and within steps."""
-
-    def __init__(self):
-        # Nesting of `optimizer_apply`: Keras optimizers that wrap another
-        # (LossScaleOptimizer) call apply again, and only the outermost
-        # call synchronises.
-        self.apply_depth = 0
-        # optimizer -> OverlappedReducer; its hooks sit on the parameters.
-        self.reducers = weakref.WeakKeyDictionary()
-
-    def clear(self):
-        """Forget every reducer and take its gradient hooks off."""
-        for reducer in list(self.reducers.values()):
-            reducer.remove()
-        self.reducers = weakref.WeakKeyDictionary()
-        self.apply_depth = 0
-
-
-optimizer_sync = OptimizerSync()
 
 
 def optimizer_apply(original, optimizer, grads, trainable_variables=None):
     """Align each gradient to its variable's layout and average gradients
     over data-parallel replicas, then apply. Collective: call on every rank."""
-    if optimizer_sync.apply_depth or len(grads) == 0:
+    if gradients.optimizer_sync.apply_depth or len(grads) == 0:
         return original(optimizer, grads, trainable_variables)
     if torch.compiler.is_compiling():
         # Inside a torch.compile'd train step: gradient sync (collectives,
@@ -79,86 +51,18 @@ def _apply(original, optimizer, grads, trainable_variables):
     ]
     group = replicas.current()
     if group.is_distributed:
-        _synchronize(optimizer, grads, variables, group)
-    optimizer_sync.apply_depth += 1
+        gradients.synchronize(optimizer, grads, variables, group)
+    gradients.optimizer_sync.apply_depth += 1
     try:
         return original(optimizer, grads, trainable_variables)
     finally:
-        optimizer_sync.apply_depth -= 1
+        gradients.optimizer_sync.apply_depth -= 1
         replicas.batch_weight.reset()
 
 
 _eager_apply = torch._dynamo.disable(
     _apply, reason="keras_torch_distribution: gradient sync runs eagerly"
 )
-
-
-def _synchronize(optimizer, grads, variables_, group):
-    steps = optimizer.gradient_accumulation_steps
-    reducer = (
-        None if steps else _overlapped_reducer(optimizer, variables_, group)
-    )
-    if reducer is not None and reducer.finish(grads):
-        return
-    # Gradients of variables sharded on the batch axis (FSDP) arrive
-    # reduce-scattered and averaged by their gather's backward.
-    replicated = [gathering.gather_plan(v) is None for v in variables_]
-    local = [
-        tensors.local_part(g)
-        for g, keep in zip(grads, replicated)
-        if g is not None and keep
-    ]
-    scale = replicas.batch_scale()
-    if steps:
-        # Accumulate local gradients; average once per real step, together
-        # with what was accumulated.
-        if scale != 1.0:
-            for t in local:
-                t.mul_(scale)
-        iteration = _keras.apply_count(optimizer)
-        if (iteration + 1) % steps:
-            return
-        kept = [v for v, keep in zip(variables_, replicated) if keep]
-        accumulators = _keras.gradient_accumulators(optimizer, kept)
-        local += [tensors.local_part(_keras.raw_value(a)) for a in accumulators]
-        scale = 1.0
-    # The step's metric states ride along (`metric_states`): no all-reduce
-    # of their own at the step's end.
-    folded = metric_states.foldable(optimizer, group, local)
-    collectives.all_reduce(
-        local,
-        group.group,
-        scale / group.count,
-        unscaled=folded[2] if folded else (),
-    )
-    if folded:
-        metric_states.record(folded, group)
-
-
-def _overlapped_reducer(optimizer, variables, group):
-    """The optimizer's overlapped reducer when every trainable variable is a
-    plain tensor (data parallelism); None otherwise. Built on the first step
-    (whose gradients are then averaged synchronously), reused after."""
-    params = [_keras.raw_value(v) for v in variables]
-    reducers = optimizer_sync.reducers
-    reducer = reducers.get(optimizer)
-    if reducer is not None and [id(p) for p in reducer.params] == [
-        id(p) for p in params
-    ]:
-        return reducer
-    if reducer is not None:
-        reducer.remove()
-        del reducers[optimizer]
-    if any(isinstance(p, DTensor) or not p.requires_grad for p in params):
-        return None
-    if born_sharded.has_sharded_variables():
-        # Plain variables beside sharded ones (LoRA adapters on sharded
-        # kernels) get DTensor gradients, which the synchronous path aligns
-        # to their variables before averaging.
-        return None
-    reducer = overlap.OverlappedReducer(params, group.group, group.count)
-    reducers[optimizer] = reducer
-    return reducer
 
 
 def metrics_result(original, model):
