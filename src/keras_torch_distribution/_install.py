@@ -19,11 +19,11 @@ from keras_torch_distribution import saving
 from keras_torch_distribution.batch import adapter
 from keras_torch_distribution.batch import random_slices
 from keras_torch_distribution.batch import sync_batch_norm
+from keras_torch_distribution.distributed import keras_ops
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import sharding_rules
-from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.fsdp import einsum_grad
 from keras_torch_distribution.fsdp import flat_shards
 from keras_torch_distribution.fsdp import gathering
@@ -59,6 +59,15 @@ class Patch:
 
 
 def _patch_table():
+    """Every Keras attribute the package replaces, grouped by concern.
+
+    Two changes sit outside this table, both undone by `uninstall()` too:
+    `distributed.sharding_rules.register()` adds DTensor rules to torch's
+    own tables (`DTensor._op_dispatcher`; clearing
+    `sharding_rules.registration` puts torch's back), and `_keras.initializers_drawing_from` swaps Keras'
+    initializers' random module inside one `with` block while a sharded
+    variable is initialised (`variables.sharded_init`).
+    """
     k = _keras
     return [
         # The backend module keras.distribution calls.
@@ -103,24 +112,27 @@ def _patch_table():
         Patch(
             k.keras_backend_module,
             "convert_to_numpy",
-            tensors.to_numpy,
+            keras_ops.to_numpy,
             wrap=True,
         ),
         # In-place writes that meet DTensors (keras_hub's KV cache, samplers,
         # BatchNormalization's scaling by sharded parameters).
         Patch(
-            k.torch_core_module, "slice_update", tensors.slice_update, wrap=True
+            k.torch_core_module,
+            "slice_update",
+            keras_ops.slice_update,
+            wrap=True,
         ),
         Patch(
             k.torch_core_module,
             "scatter_update",
-            tensors.scatter_update,
+            keras_ops.scatter_update,
             wrap=True,
         ),
         Patch(
             k.torch_nn_module,
             "batch_normalization",
-            tensors.batch_normalization,
+            keras_ops.batch_normalization,
             wrap=True,
         ),
         # The model boundary and jit_compile.

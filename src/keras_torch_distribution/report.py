@@ -14,6 +14,7 @@ import torch.distributed as dist
 from keras_torch_distribution import _keras
 from keras_torch_distribution.checkpoint.inspect import checkpoint_table  # noqa: F401
 from keras_torch_distribution.checkpoint.inspect import format_checkpoint_table  # noqa: F401
+from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.log import logger
@@ -23,7 +24,7 @@ from keras_torch_distribution.variables import left_whole
 def _rows_for(variable):
     value = _keras.raw_value(variable)
     local = tensors.local_part(value)
-    layout = getattr(variable, "_ktd_layout", None)
+    layout = layouts.resolved_layout(variable)
     axes = tuple(layout.axes) if layout is not None else "replicated"
     return {
         "path": variable.path,

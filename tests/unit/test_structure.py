@@ -328,3 +328,37 @@ def test_the_private_attribute_check_finds_offenders(tmp_path):
         ("user", "_current_epoch"),
         ("user", "_value"),
     ]
+
+
+def _replacement_first_lines():
+    """(patched attribute, first docstring line of its replacement) for
+    every entry of the patch table that wraps a Keras original."""
+    import functools
+
+    from keras_torch_distribution import _install
+
+    found = []
+    for patch in _install._patch_table():
+        if not patch.wrap:
+            continue
+        replacement = patch.replacement
+        while isinstance(replacement, functools.partial):
+            replacement = replacement.func
+        doc = (replacement.__doc__ or "").strip()
+        found.append((patch.describe(), doc.split("\n\n")[0]))
+    return found
+
+
+def test_every_replacement_opens_with_the_keras_attribute_it_replaces():
+    """The patch table is the audit list: each replacement's docstring
+    opens by naming, in backticks, the Keras attribute it replaces."""
+    offenders = []
+    for target, first in _replacement_first_lines():
+        name = target.rsplit(".", 1)[-1]
+        named = re.search(rf"`[\w.' ]*\b{re.escape(name)}\b[^`]*`", first)
+        if "Keras" not in first or not named:
+            offenders.append((target, first[:70]))
+    assert offenders == [], (
+        "open these replacements' docstrings with the Keras attribute "
+        f"they replace, e.g. 'Keras `Owner.name`: ...': {offenders}"
+    )

@@ -37,11 +37,6 @@ def batch_rows():
     return replicas.batch_weight.rows
 
 
-def batch_scale():
-    """The current batch's weight (see replicas.BatchWeight)."""
-    return replicas.batch_scale()
-
-
 def get_data_adapter(
     original,
     x,

@@ -27,13 +27,12 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.batch import adapter
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import tensors
 
 
 def moments(original, layer, inputs, mask):
-    """BatchNormalization's `_moments`: over the global batch when this
+    """Keras `BatchNormalization._moments`: over the global batch when this
     process is one of several data-parallel replicas. Collective: call on
     every rank."""
     group = replicas.current()
@@ -46,7 +45,7 @@ def moments(original, layer, inputs, mask):
         return original(layer, inputs, mask)
     axes = tuple(_keras.batch_norm_reduction_axes(layer))
     # rows here * replicas / global rows (1.0 but for a last, uneven batch)
-    scale = adapter.batch_scale()
+    scale = replicas.batch_scale()
     if mask is None:
         return _moments(inputs, axes, group.group, scale)
     return _masked_moments(inputs, mask, axes, group.group, scale)

@@ -196,7 +196,7 @@ PREVIOUS_BACKUP_NAME = "previous.ckpt"
 
 
 def backup_save(original, callback):
-    """BackupAndRestore._save_model. Collective: call on every rank."""
+    """Keras `BackupAndRestore._save_model`. Collective: call on every rank."""
     if not runtime.is_multi_process():
         return original(callback)
     latest_path = os.path.join(callback.backup_dir, BACKUP_NAME)
@@ -220,7 +220,7 @@ def backup_save(original, callback):
 
 
 def backup_load(original, callback):
-    """BackupAndRestore._load_model. Collective: call on every rank."""
+    """Keras `BackupAndRestore._load_model`. Collective: call on every rank."""
     model = callback.model
     if not model.built:
         return original(callback)  # Keras' error for an unbuilt model
@@ -255,7 +255,7 @@ def backup_load(original, callback):
 
 
 def backup_train_end(original, callback, logs=None):
-    """BackupAndRestore.on_train_end. Collective: call on every rank."""
+    """Keras `BackupAndRestore.on_train_end`. Collective: call on every rank."""
     if not runtime.is_multi_process():
         return original(callback, logs)
     if callback.delete_checkpoint:

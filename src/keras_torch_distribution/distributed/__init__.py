@@ -10,6 +10,8 @@ Modules, bottom first (a module imports only those above it):
 - `layouts`: Keras `DeviceMesh` / `TensorLayout` onto torch meshes and
   placements.
 - `tensors`: plain tensors to and from DTensors of a layout.
+- `keras_ops`: the torch backend's ops Keras layers call with sharded
+  values (to_numpy, slice_update, scatter_update, batch_normalization).
 - `collectives`: the one bucketed flat collective (gradient averages, metric
   sums, broadcasts).
 - `stopping`: ranks that stop training or run out of input stop together.

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import warn_once
@@ -87,7 +88,7 @@ def variable_items(variables):
     """Each variable's path, shape, dtype and layout, as (name, text) pairs."""
     items = []
     for variable in variables:
-        layout = getattr(variable, "_ktd_layout", None)
+        layout = layouts.resolved_layout(variable)
         axes = tuple(layout.axes) if layout is not None else None
         items.append(
             (

@@ -381,3 +381,12 @@ def contiguous_stride(shape):
         stride.append(step)
         step *= max(int(n), 1)
     return tuple(reversed(stride))
+
+
+def resolved_layout(variable):
+    """The TorchLayout of a Keras variable whose layout shards it, once
+    `variables.born_sharded.sharded_layout` has resolved it (and stored it
+    as `variable._ktd_layout`); None for a variable kept whole or not
+    resolved yet. Only reads: the one accessor for modules below
+    `variables`, and for those that must not resolve a layout."""
+    return getattr(variable, "_ktd_layout", None)

@@ -107,10 +107,16 @@ class BatchWeight:
     and, when fit / evaluate / predict fed it, where it sits in the global
     batch (`rows`: global rows, first row, rows; None otherwise).
 
-    Set for each batch as the data adapter yields it, read by that batch's
-    step (gradient averaging, random draws, batch statistics); the weight
-    is reset to 1.0 once the step's update is applied, and both when
-    fit / evaluate / predict end, so no step inherits another's batch
+    Set for each batch as the data adapter yields it (`batch.adapter`, the
+    only writer besides the resets), read by that batch's step: gradient
+    averaging (`training.overlap`'s backward hooks, `training.gradients`,
+    FSDP's reduce-scatter in backward, `fsdp.gathering` / `fsdp.groups`),
+    random draws (`batch.random_slices`) and batch statistics
+    (`batch.sync_batch_norm`). It is one object rather than an argument
+    because those readers run inside autograd hooks and layer calls that
+    Keras makes, which no argument of ours reaches. The weight is reset to
+    1.0 once the step's update is applied (`training.trainer`), and both
+    when fit / evaluate / predict end, so no step inherits another's batch
     (train_on_batch after a fit whose last batch was partial, direct calls).
     """
 

@@ -117,7 +117,7 @@ def _explain_uneven(layer, error):
         return
     lines = []
     for variable, uneven in found:
-        axes = list(variable._ktd_layout.axes)
+        axes = list(layouts.resolved_layout(variable).axes)
         axes += [None] * (len(variable.shape) - len(axes))
         for dim, _, _ in uneven:
             axes[dim] = None
@@ -126,7 +126,7 @@ def _explain_uneven(layer, error):
         )
         lines.append(
             f"variable {variable.path!r} (shape {tuple(variable.shape)}, layout "
-            f"{tuple(variable._ktd_layout.axes)}) splits {splits}; a layout "
+            f"{tuple(layouts.resolved_layout(variable).axes)}) splits {splits}; a layout "
             f"that works: {tuple(axes)}"
         )
     raise ValueError(

@@ -154,8 +154,8 @@ def _why(error):
 
 
 def can_use_flash_attention(original, *args, raise_error=False, **kwargs):
-    """Keras' check whether `dot_product_attention` may force the flash
-    kernel builds a `torch.backends.cuda.SDPAParams`, a C++ object dynamo
+    """Keras' torch `_can_use_flash_attention`: its check whether
+    `dot_product_attention` may force the flash kernel builds a `torch.backends.cuda.SDPAParams`, a C++ object dynamo
     cannot trace: every attention call broke the compiled graph, inside a
     `name_scope` where dynamo cannot resume, so whole layers ran eagerly.
     While compiling, answer "no": Keras then calls the same

@@ -47,7 +47,8 @@ equalized = EqualizedModels()
 
 
 def make_step_function(kind, original, model, force=False):
-    """Keras' `make_<kind>_function` (`kind`: "train", "test" or "predict"):
+    """Keras `TorchTrainer.make_train_function` / `make_test_function` /
+    `make_predict_function` (`kind`: "train", "test" or "predict"):
     the step function `compiled.make_step_function` makes, wrapped once
     under a distribution. On several processes its first call runs
     `equalize(model)`; a predict step returns the predictions of every

@@ -10,7 +10,6 @@ predict step (`replica_start.make_step_function`). The model boundary is
 `boundary.py`, jit_compile `compiled.py`.
 """
 
-
 import keras
 import torch
 import torch.distributed as dist
@@ -29,8 +28,9 @@ from keras_torch_distribution.variables import left_whole
 
 
 def optimizer_apply(original, optimizer, grads, trainable_variables=None):
-    """Align each gradient to its variable's layout and average gradients
-    over data-parallel replicas, then apply. Collective: call on every rank."""
+    """Keras `BaseOptimizer.apply`: align each gradient to its variable's
+    layout and average gradients over data-parallel replicas, then apply.
+    Collective: call on every rank."""
     if gradients.optimizer_sync.apply_depth or len(grads) == 0:
         return original(optimizer, grads, trainable_variables)
     if torch.compiler.is_compiling():
@@ -66,8 +66,9 @@ _eager_apply = torch._dynamo.disable(
 
 
 def metrics_result(original, model):
-    """Metric results computed from states summed over replicas, identical
-    on every rank. Collective: call on every rank."""
+    """Keras `Model.get_metrics_result`: metric results computed from
+    states summed over replicas, identical on every rank. Collective: call
+    on every rank."""
     group = replicas.current()
     if not group.is_distributed:
         return original(model)
@@ -131,12 +132,13 @@ def _with_last(callbacks, callback, model):
 
 
 def quiet_on_other_ranks(original, model, *args, **kwargs):
-    """fit / evaluate / predict print progress, and file-writing callbacks
-    write, on rank 0 only. Variables created before the distribution was
-    set, that it would shard, get one warning each, and so do large
-    variables the layout map leaves whole (`variables.left_whole`). Ranks that
-    disagree on the call (model, distribution, input sizes) raise, naming
-    the difference. Collective: call on every rank."""
+    """Keras `Model.fit` / `evaluate` / `predict`: progress is printed, and
+    file-writing callbacks write, on rank 0 only. Variables created
+    before the distribution was set, that it would shard, get one
+    warning each, and so do large variables the layout map leaves whole
+    (`variables.left_whole`). Ranks that disagree on the call (model,
+    distribution, input sizes) raise, naming the difference. Collective:
+    call on every rank."""
     agreement.check(original.__name__, model, args, kwargs)
     distribution = _keras.current_distribution()
     born_sharded.warn_if_created_outside(model.variables, distribution)

@@ -282,7 +282,7 @@ def describe(original, variable):
         return original(variable)
     return (
         f"<Variable path={variable.path}, shape={variable.shape}, "
-        f"dtype={variable.dtype}, layout={tuple(variable._ktd_layout.axes)}, "
+        f"dtype={variable.dtype}, layout={tuple(layouts.resolved_layout(variable).axes)}, "
         f"local_shape={tuple(value.to_local().shape)}>"
     )
 

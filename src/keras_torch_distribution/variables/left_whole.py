@@ -24,6 +24,7 @@ import re
 import torch
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.log import warn_once
 from keras_torch_distribution.variables import born_sharded
 
@@ -77,9 +78,7 @@ def left_whole(model_variables, distribution):
     model_variables = list(model_variables)
     total = sum(global_bytes(v.shape, v.dtype) for v in model_variables)
     sharded = [
-        v
-        for v in model_variables
-        if getattr(v, "_ktd_layout", None) is not None
+        v for v in model_variables if layouts.resolved_layout(v) is not None
     ]
     if not total or not sharded:
         return []
@@ -87,7 +86,7 @@ def left_whole(model_variables, distribution):
     found = []
     for variable in model_variables:
         if (
-            getattr(variable, "_ktd_layout", None) is not None
+            layouts.resolved_layout(variable) is not None
             or not getattr(variable, "_ktd_distributed", False)
             or _keras.raw_value(variable) is None
         ):
