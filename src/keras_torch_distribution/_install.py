@@ -9,6 +9,7 @@ that every target exists before changing anything, keeps the originals, and
 import atexit
 import functools
 import gc
+import warnings
 
 import keras
 
@@ -109,12 +110,10 @@ def _patch_table():
         # Under FSDP, einsum keeps its operands for backward (gathered
         # kernels are then regathered), not copies of them.
         Patch(k.torch_numpy_module, "einsum", einsum_grad.einsum, wrap=True),
-        Patch(
-            k.keras_backend_module,
-            "convert_to_numpy",
-            keras_ops.to_numpy,
-            wrap=True,
-        ),
+        *[
+            Patch(owner, "convert_to_numpy", keras_ops.to_numpy, wrap=True)
+            for owner in k.CONVERT_TO_NUMPY_OWNERS
+        ],
         # In-place writes that meet DTensors (keras_hub's KV cache, samplers,
         # BatchNormalization's scaling by sharded parameters).
         Patch(
@@ -228,7 +227,49 @@ def _patch_table():
             checkpoint.backup_train_end,
             wrap=True,
         ),
+        *_native_distribution_off(k),
     ]
+
+
+def _native_distribution_off(k):
+    """Keras 3.16's torch backend distributes data, wraps DDP and
+    distributes variables itself; each of these the package does its own
+    way (README, "Supported versions"), so exactly one of the two does it:
+    the native ones are turned off here, where they exist. Keras 3.15 has
+    none of them (see `_keras`, "What differs between the Keras versions").
+    Metric reduction and the compiled step's `autograd.grad` are handled
+    where the package does them (`trainer.metrics_result`,
+    `_keras.train_step_calls_backward`)."""
+    patches = []
+    if k.NATIVE_TORCH_TRAINING:
+        patches += [
+            # Batches stay each replica's plain rows: no DTensor of the
+            # global batch (the epoch iterator, train/test/predict_on_batch).
+            Patch(
+                k.torch_trainer_module,
+                "distribute_data_input",
+                distribution_lib.distribute_data_input,
+            ),
+            Patch(
+                k.TorchEpochIterator,
+                "_get_iterator",
+                adapter.torch_dataloader_batches,
+                wrap=True,
+            ),
+            # No DistributedDataParallel: gradients are averaged once.
+            Patch(k.TorchTrainer, "_initialize_ddp", trainer.no_ddp, wrap=True),
+        ]
+    if k.NATIVE_VARIABLE_DISTRIBUTION:
+        # Born sharded, not distributed from a full value.
+        patches.append(
+            Patch(
+                k.TorchVariable,
+                "_initialize_distributed",
+                born_sharded.not_natively_distributed,
+                wrap=True,
+            )
+        )
+    return patches
 
 
 _MISSING = object()
@@ -264,9 +305,13 @@ def install():
     if missing:
         raise ImportError(
             "keras_torch_distribution cannot install into keras "
-            f"{keras.__version__}: these internals are missing: {missing}. "
-            f"Use keras{_keras.SUPPORTED_KERAS_TEXT}."
+            f"{keras.__version__}: these internals are missing: {missing} "
+            f"(expected in keras{_keras.SUPPORTED_KERAS_TEXT}, tested with "
+            f"{_keras.TESTED_KERAS_TEXT}). Install one of those: "
+            f"pip install 'keras{_keras.SUPPORTED_KERAS_TEXT}'."
         )
+    if _keras.newer_keras():
+        _warn_newer_keras(len(table))
     for patch in table:
         patch.original = patch.owner.__dict__.get(patch.name, _MISSING)
         patch.inherited = patch.original is _MISSING
@@ -285,6 +330,28 @@ def install():
 
 
 _exit_registered = []
+
+
+def _warn_newer_keras(patch_count):
+    """Warn once per process that Keras is newer than any this package was
+    tested with, saying what was checked."""
+    if _warned_newer:
+        return
+    _warned_newer.append(True)
+    checked = "; ".join(_keras.differences())
+    warnings.warn(
+        f"keras_torch_distribution was tested with keras"
+        f"{_keras.SUPPORTED_KERAS_TEXT} ({_keras.TESTED_KERAS_TEXT}), but "
+        f"keras {keras.__version__} is installed. It checked that all "
+        f"{patch_count} Keras internals it replaces exist, and found: "
+        f"{checked}. It installed; if results differ from one process, "
+        f"install a tested version: pip install "
+        f"'keras{_keras.SUPPORTED_KERAS_TEXT}'.",
+        stacklevel=3,
+    )
+
+
+_warned_newer = []
 
 
 def exit_sequence():

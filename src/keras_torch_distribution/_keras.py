@@ -5,6 +5,11 @@ reaches Keras internals only through the names below: the version check,
 read-only accessors (private attributes of Keras objects included), the
 Keras classes and modules that own patch targets (`_install.py` patches
 them) and the DataAdapter base.
+
+Keras 3.15.x and 3.16 (keras-nightly) are served by one code base: what
+differs between them is found by what exists (never by a version string),
+in the imports just below and in the section "What differs between the
+Keras versions"; `_install.py` adds the patches only one of them needs.
 """
 
 import contextlib
@@ -14,9 +19,16 @@ import keras
 from keras.src import backend as keras_backend
 from keras.src.backend.common import global_state
 from keras.src.backend.common import name_scope
-from keras.src.backend.torch import core as torch_core
-from keras.src.backend.torch import nn as torch_nn
-from keras.src.backend.torch import numpy as torch_numpy
+
+try:  # Keras 3.15: the torch backend's ops are modules of the backend
+    from keras.src.backend.torch import core as torch_core
+    from keras.src.backend.torch import nn as torch_nn
+    from keras.src.backend.torch import numpy as torch_numpy
+except ImportError:  # Keras 3.16: they moved to backend.torch.ops
+    from keras.src.backend.torch.ops import core as torch_core
+    from keras.src.backend.torch.ops import nn as torch_nn
+    from keras.src.backend.torch.ops import numpy as torch_numpy
+from keras.src.backend.common import variables as common_variables
 from keras.src.backend.torch import random as torch_random
 from keras.src.backend.torch import trainer as torch_trainer
 from keras.src.backend.torch.optimizers import torch_adam
@@ -31,11 +43,13 @@ from keras.src.random import seed_generator
 from keras.src.saving import saving_lib
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator
+from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter
 from keras.src.utils import rng_utils
 
-SUPPORTED_KERAS = ((3, 15, 1), (3, 16, 0))  # [min, max)
-SUPPORTED_KERAS_TEXT = ">=3.15.1,<3.16"
+SUPPORTED_KERAS = ((3, 15, 1), (3, 17, 0))  # [min, max): the ones tested
+SUPPORTED_KERAS_TEXT = ">=3.15.1,<3.17"
+TESTED_KERAS_TEXT = "3.15.1 and keras-nightly 3.16.0.dev2026102704"
 
 
 def _parse_version(text):
@@ -47,7 +61,9 @@ def _parse_version(text):
 
 
 def check_environment():
-    """Raise if Keras' backend or version is not one this package supports."""
+    """Raise if Keras' backend is not torch or Keras is older than any this
+    package supports. A Keras newer than any it knows is not refused here:
+    `install()` checks what it needs exists and warns (`newer_keras`)."""
     backend_name = keras.backend.backend()
     if backend_name != "torch":
         raise ImportError(
@@ -57,13 +73,35 @@ def check_environment():
             "`KERAS_BACKEND=torch python train.py`)."
         )
     found = _parse_version(keras.__version__)
-    low, high = SUPPORTED_KERAS
-    if not (low <= found < high):
+    if found < SUPPORTED_KERAS[0]:
         raise ImportError(
             f"keras_torch_distribution supports keras{SUPPORTED_KERAS_TEXT}, "
             f"but keras {keras.__version__} is installed. Install a supported "
             f"version: pip install 'keras{SUPPORTED_KERAS_TEXT}'."
         )
+
+
+def newer_keras():
+    """True when the installed Keras is newer than any this package was
+    tested with (it may still work: `install()` checks its patch targets
+    and warns once)."""
+    return _parse_version(keras.__version__) >= SUPPORTED_KERAS[1]
+
+
+def differences():
+    """What this package found in the installed Keras where 3.15 and 3.16
+    differ, one line each (for the warning on a newer Keras)."""
+    return [
+        f"torch backend ops in {torch_core.__name__.rsplit('.', 1)[0]}",
+        f"torch trainer class {TorchTrainer.__name__}",
+        "convert_to_numpy called on "
+        + ", ".join(m.__name__ for m in CONVERT_TO_NUMPY_OWNERS),
+        "Keras file stores " + ", ".join(c.__name__ for c in KERAS_FILE_STORES),
+        "the torch trainer distributes data and wraps DDP itself: "
+        + ("yes" if NATIVE_TORCH_TRAINING else "no"),
+        "torch Variables distribute themselves: "
+        + ("yes" if NATIVE_VARIABLE_DISTRIBUTION else "no"),
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -280,7 +318,37 @@ def set_model_step_function(model, kind, function):
 def uses_keras_train_step(model):
     """True when `model`'s train_step is Keras' torch one (which clears
     the last step's gradients itself, after its forward)."""
-    return type(model).train_step is torch_trainer.TorchTrainer.train_step
+    return type(model).train_step is TorchTrainer.train_step
+
+
+@contextlib.contextmanager
+def train_step_calls_backward(model):
+    """Within the block, Keras' torch `train_step` takes gradients with
+    `loss.backward()`, as 3.15's always does. Keras 3.16's calls
+    `torch.autograd.grad` instead when `model.jit_compile` is True and no
+    DDP wraps the model (so that dynamo traces the whole step); the
+    package's compiled step runs that step eagerly and compiles only the
+    forward (`training.compiled`), and only `backward()` fires the
+    gradient hooks that overlap the all-reduce with backward. The block
+    hides `jit_compile` (the private `_jit_compile` the property reads);
+    3.15's train_step does not read it."""
+    saved = model.__dict__.get("_jit_compile", None)
+    if saved is not True:
+        yield
+        return
+    model._jit_compile = False
+    try:
+        yield
+    finally:
+        model._jit_compile = saved
+
+
+def metrics_result_of_this_process(model):
+    """Keras' `get_metrics_result` of the trainer base: this process's
+    metric states only. Keras 3.16's torch trainer all-reduces them over
+    the batch axis' process group (or the whole world) first; 3.15's does
+    not."""
+    return BaseTrainer.get_metrics_result(model)
 
 
 def current_name_scope():
@@ -336,22 +404,68 @@ def initializer_kind(initializer):
 # ---------------------------------------------------------------------------
 
 keras_backend_module = keras_backend
+common_variable_module = common_variables
 keras_distribution_module = keras_distribution_lib
 torch_nn_module = torch_nn
 torch_core_module = torch_core
 torch_numpy_module = torch_numpy
 Distribution = keras_distribution_lib.Distribution
-KERAS_FILE_STORES = (
-    saving_lib.H5IOStore,
-    saving_lib.ShardedH5IOStore,
-    saving_lib.NpzIOStore,
-)
 torch_random_module = torch_random
 BatchNormalization = batch_normalization.BatchNormalization
 Layer = keras_layer.Layer
 Model = keras_model.Model
 BaseOptimizer = base_optimizer.BaseOptimizer
 TorchAdam = torch_adam.Adam
-TorchTrainer = torch_trainer.TorchTrainer
 epoch_iterator_data_adapters = epoch_iterator.data_adapters
 BackupAndRestore = keras.callbacks.BackupAndRestore
+
+
+# ---------------------------------------------------------------------------
+# What differs between the Keras versions (3.15.x and 3.16), found by what
+# exists. The torch ops modules' new home is in the imports at the top.
+# ---------------------------------------------------------------------------
+
+# The torch trainer: `TorchTrainer` (3.15), `Trainer` (3.16); the trainer
+# base class: `Trainer` (3.15), `BaseTrainer` (3.16).
+TorchTrainer = getattr(torch_trainer, "TorchTrainer", None) or (
+    torch_trainer.Trainer
+)
+BaseTrainer = getattr(base_trainer, "BaseTrainer", None) or (
+    base_trainer.Trainer
+)
+torch_trainer_module = torch_trainer
+TorchEpochIterator = torch_trainer.TorchEpochIterator
+
+# Where Keras looks `convert_to_numpy` up: `backend.convert_to_numpy`
+# (3.15); `backend.ops.convert_to_numpy` and, from `keras.ops` and the
+# torch Variable, `backend.ops.core.convert_to_numpy` (3.16).
+CONVERT_TO_NUMPY_OWNERS = (
+    (keras_backend,)
+    if hasattr(keras_backend, "convert_to_numpy")
+    else (keras_backend.ops, torch_core)
+)
+
+# Keras' weight file stores (`NpzIOStore` is gone in 3.16).
+KERAS_FILE_STORES = tuple(
+    getattr(saving_lib, name)
+    for name in ("H5IOStore", "ShardedH5IOStore", "NpzIOStore")
+    if hasattr(saving_lib, name)
+)
+
+# Keras 3.16's torch trainer distributes data itself under ModelParallel
+# (each batch wrapped as a DTensor of the global batch, by the epoch
+# iterator's numpy path and `train/test/predict_on_batch`), wraps the
+# model in DistributedDataParallel whenever a process group exists (but
+# under ModelParallel), and all-reduces metric states. The package does
+# all three itself (`_install.py` turns the native ones off).
+NATIVE_TORCH_TRAINING = hasattr(torch_trainer, "distribute_data_input")
+
+# Keras 3.16's torch train_step takes gradients with torch.autograd.grad
+# under jit_compile: `train_step_calls_backward` (harmless on 3.15, whose
+# train_step always calls backward).
+
+# Keras 3.16's torch Variable distributes itself when created under a
+# distribution (`_initialize_distributed`, called from `_initialize` and
+# `_initialize_with_initializer`); the package's born-sharded variables
+# replace it (`_install.py`).
+NATIVE_VARIABLE_DISTRIBUTION = hasattr(TorchVariable, "_initialize_distributed")

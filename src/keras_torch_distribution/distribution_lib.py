@@ -99,8 +99,10 @@ def distribute_variable(value, layout):
     return torch.nn.Parameter(value, requires_grad=requires_grad)
 
 
-def distribute_data_input(per_process_batch, layout, batch_dim_name):
-    """This process's rows of the global batch, as a plain tensor.
+def distribute_data_input(per_process_batch, layout, batch_dim_name=None):
+    """This process's rows of the global batch, as a plain tensor (None
+    stays None: Keras 3.16's torch trainer calls this with 2 arguments on
+    every leaf of a batch, an absent sample weight included).
 
     The batch axis is data, as on JAX: each coordinate along it holds its
     own rows of the global batch, and the model computes on them as plain
@@ -109,6 +111,8 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name):
     `layout`. Collective for DTensors: call on every rank.
     """
     del batch_dim_name  # the layout's axes name it
+    if per_process_batch is None:
+        return None
     batch = tensors.as_torch(per_process_batch)
     if isinstance(batch, DTensor):
         return tensors.to_layout(batch, _resolve(layout)).to_local()

@@ -100,6 +100,16 @@ def get_data_adapter(
     )
 
 
+def torch_dataloader_batches(original, iterator):
+    """Keras 3.16 `TorchEpochIterator._get_iterator`: the batches of the
+    data adapter's torch DataLoader, as Keras 3.15 always iterates (this
+    replica's rows, from `get_data_adapter`). Keras 3.16 iterates numpy
+    batches under ModelParallel instead and wraps each as a DTensor of the
+    global batch, so the model would see every replica's rows."""
+    del original
+    return iterator.data_adapter.get_torch_dataloader()
+
+
 def _same_torch_generator_everywhere():
     """Keras (and a DataLoader) shuffle with torch's global generator;
     every process must draw the same permutation of the global batches

@@ -227,7 +227,8 @@ def _step_function(model, step, no_grad):
             if no_grad:
                 with torch.no_grad():
                     return step(data[0])
-            return step(data[0])
+            with _keras.train_step_calls_backward(model):
+                return step(data[0])
 
     one_step_on_data._ktd_compiled_forward = True
     return one_step_on_data

@@ -71,7 +71,9 @@ def metrics_result(original, model):
     on every rank."""
     group = replicas.current()
     if not group.is_distributed:
-        return original(model)
+        # Not Keras 3.16's torch override (`original` there), which
+        # all-reduces the states of processes that are no replicas.
+        return _keras.metrics_result_of_this_process(model)
     metrics = list(model.metrics)
     states = [v for m in metrics for v in m.variables]
     reduced = metric_states.reduced_states(states, group)
@@ -87,6 +89,16 @@ def metrics_result(original, model):
         else:
             results[metric.name] = result
     return results
+
+
+def no_ddp(original, model):
+    """Keras 3.16 `Trainer._initialize_ddp`: nothing. Keras wraps the model
+    in DistributedDataParallel under DataParallel (and with no distribution
+    whenever a process group exists); this package averages gradients over
+    the batch axis itself (bucketed, overlapped with backward: `gradients`),
+    so DDP would reduce every gradient a second time. `model.ddp_model`
+    stays None."""
+    del original, model
 
 
 def gather_predictions(outputs):

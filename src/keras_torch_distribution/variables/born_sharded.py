@@ -174,6 +174,15 @@ def _set_value(variable, tensor):
     )
 
 
+def not_natively_distributed(original, variable, initializer):
+    """Keras 3.16 torch `Variable._initialize_distributed`: None (Keras then
+    initialises the variable as it would with no distribution). Keras 3.16
+    distributes a variable's full initial value itself; this package's
+    `initialize` / `initialize_with_initializer` create a sharded variable
+    shard by shard instead, and keep whole what they keep whole."""
+    del original, variable, initializer
+
+
 def initialize(original, variable, value):
     """Keras `Variable._initialize(value)`: shard a full initial value. Its
     copies on other processes are made equal to the first (`copies`)."""
