@@ -5,6 +5,8 @@ These run in the pytest process (KERAS_BACKEND=torch, set by conftest) and
 start no process group, except `one_process_world`, which removes its own.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -76,21 +78,40 @@ def test_install_twice_is_harmless(reinstall):
     assert _keras_backend_distribution_lib() is distribution_lib
 
 
+def _keras_own_distribution_lib():
+    """The torch backend's own `distribution_lib` the package replaced:
+    None on Keras 3.15, Keras' module on 3.16."""
+    from keras_torch_distribution import _install
+
+    (patch,) = [
+        p
+        for p in _install._installed
+        if p.owner is _keras.keras_backend_module
+        and p.name == "distribution_lib"
+    ]
+    return patch.original
+
+
 def test_uninstall_restores_keras_and_reinstall_works(reinstall):
+    own = _keras_own_distribution_lib()
     patched_call = keras.Model.__call__
     keras_torch_distribution.uninstall()
     assert not keras_torch_distribution.is_installed()
-    assert _keras_backend_distribution_lib() is None
-    assert _keras_front_end_distribution_lib() is None
+    assert _keras_backend_distribution_lib() is own
+    assert _keras_front_end_distribution_lib() is own
     assert keras.Model.__call__ is not patched_call
     # Model inherits __call__ from Layer; uninstall removes the override.
     assert "__call__" not in keras.Model.__dict__
     assert keras.Model.__call__ is keras.layers.Layer.__call__
-    # The released torch backend has no distribution support.
-    with pytest.raises(AttributeError):
-        keras.distribution.list_devices()
+    if own is None:
+        # Keras 3.15's torch backend has no distribution support.
+        with pytest.raises(AttributeError):
+            keras.distribution.list_devices()
+    else:
+        # Keras 3.16's has its own, which answers again.
+        assert keras.distribution.list_devices() == own.list_devices()
     keras_torch_distribution.uninstall()  # twice is harmless too
-    assert _keras_backend_distribution_lib() is None
+    assert _keras_backend_distribution_lib() is own
 
     keras_torch_distribution.install()
     assert keras_torch_distribution.is_installed()
@@ -126,33 +147,99 @@ def test_non_torch_backend_is_refused(monkeypatch):
         _keras.check_environment()
 
 
-@pytest.mark.parametrize(
-    "version", ["3.15.0", "3.16.0", "3.20.1", "2.15.0", "4.0.0"]
-)
-def test_unsupported_keras_version_is_refused(monkeypatch, version):
+@pytest.mark.parametrize("version", ["3.15.0", "3.14.2", "2.15.0"])
+def test_older_keras_version_is_refused(monkeypatch, version):
     monkeypatch.setattr(keras, "__version__", version)
     with pytest.raises(
         ImportError,
-        match=rf"supports keras>=3\.15\.1,<3\.16, but keras {version} is installed.*pip install",
+        match=rf"supports keras>=3\.15\.1,<3\.17, but keras {version} is "
+        r"installed.*pip install",
     ):
         _keras.check_environment()
 
 
-@pytest.mark.parametrize("version", ["3.15.1", "3.15.2", "3.15.1.dev2025"])
+@pytest.mark.parametrize(
+    "version",
+    ["3.15.1", "3.15.2", "3.15.1.dev2025", "3.16.0.dev2026102704", "3.16.1"],
+)
 def test_supported_keras_versions_pass(monkeypatch, version):
     monkeypatch.setattr(keras, "__version__", version)
     _keras.check_environment()
+    assert not _keras.newer_keras()
 
 
-def test_install_refuses_unsupported_version(reinstall, monkeypatch):
-    # reinstall is listed first so that it runs after monkeypatch is undone.
+@pytest.mark.parametrize("version", ["3.17.0", "3.20.1", "4.0.0"])
+def test_newer_keras_is_checked_not_refused(monkeypatch, version):
+    monkeypatch.setattr(keras, "__version__", version)
+    _keras.check_environment()
+    assert _keras.newer_keras()
+
+
+def test_newer_keras_installs_with_one_warning_saying_what_it_checked(
+    reinstall, monkeypatch
+):
+    from keras_torch_distribution import _install
+
     keras_torch_distribution.uninstall()
     monkeypatch.setattr(keras, "__version__", "3.99.0")
-    with pytest.raises(ImportError, match="keras 3.99.0 is installed"):
+    monkeypatch.setattr(_install, "_warned_newer", [])
+    with pytest.warns(UserWarning) as record:
+        keras_torch_distribution.install()
+    (warning,) = [w for w in record if "3.99.0" in str(w.message)]
+    text = str(warning.message)
+    assert "tested with keras>=3.15.1,<3.17" in text
+    assert f"all {len(_install._installed)} Keras internals" in text
+    for line in _keras.differences():
+        assert line in text
+    assert keras_torch_distribution.is_installed()
+    keras_torch_distribution.uninstall()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keras_torch_distribution.install()  # once per process
+
+
+def test_install_refuses_a_keras_that_lacks_a_patch_target(
+    reinstall, monkeypatch
+):
+    # reinstall is listed first so that it runs after monkeypatch is undone.
+    own = _keras_own_distribution_lib()
+    keras_torch_distribution.uninstall()
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    monkeypatch.delattr(_keras.BackupAndRestore, "_save_model")
+    with pytest.raises(
+        ImportError,
+        match=r"keras 3\.99\.0: these internals are missing: "
+        r"\['BackupAndRestore\._save_model'\].*keras>=3\.15\.1,<3\.17.*"
+        r"pip install",
+    ):
         keras_torch_distribution.install()
     # Nothing was patched by the failed install.
     assert not keras_torch_distribution.is_installed()
-    assert _keras_backend_distribution_lib() is None
+    assert _keras_backend_distribution_lib() is own
+
+
+def test_every_patch_target_exists_on_the_installed_keras():
+    """The patch table of the installed Keras (3.15 or 3.16: the patches
+    only 3.16 needs are in it only there) names only attributes that
+    exist, and each of the version-dependent ones where its feature is."""
+    from keras_torch_distribution import _install
+
+    table = _install._patch_table()
+    missing = [p.describe() for p in table if not hasattr(p.owner, p.name)]
+    assert missing == []
+    targets = {p.describe() for p in table}
+    native = {
+        "keras.src.backend.torch.trainer.distribute_data_input",
+        "TorchEpochIterator._get_iterator",
+        f"{_keras.TorchTrainer.__qualname__}._initialize_ddp",
+    }
+    assert (native <= targets) == _keras.NATIVE_TORCH_TRAINING
+    assert not (native & targets) or _keras.NATIVE_TORCH_TRAINING
+    assert (
+        "Variable._initialize_distributed" in targets
+    ) == _keras.NATIVE_VARIABLE_DISTRIBUTION
+    for owner in _keras.CONVERT_TO_NUMPY_OWNERS:
+        assert f"{owner.__name__}.convert_to_numpy" in targets
 
 
 # ---------------------------------------------------------------------------
