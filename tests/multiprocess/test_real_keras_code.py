@@ -187,9 +187,12 @@ def keras_file_writers(directory):
     reader = saving_lib.H5IOStore(h5_path, mode="r")
     h5_value = np.asarray(reader.get("group")["value"])
     reader.close()
-    npz = saving_lib.NpzIOStore(os.path.join(directory, "direct.npz"), mode="w")
-    npz.make("group")["value"] = np.arange(3.0)
-    npz.close()
+    if hasattr(saving_lib, "NpzIOStore"):  # Keras 3.15 (gone in 3.16)
+        npz = saving_lib.NpzIOStore(
+            os.path.join(directory, "direct.npz"), mode="w"
+        )
+        npz.make("group")["value"] = np.arange(3.0)
+        npz.close()
     model = keras.Sequential(
         [keras.Input((3,)), keras.layers.Dense(2, name="d")]
     )
@@ -210,15 +213,15 @@ def keras_file_writers(directory):
 def test_every_keras_weight_store_writes_once(pool2, tmp_path):
     import tempfile
 
+    from keras_torch_distribution import _keras
+
+    has_npz = any(c.__name__ == "NpzIOStore" for c in _keras.KERAS_FILE_STORES)
     before = set(os.listdir(tempfile.gettempdir()))
     for h5_value, same, names in pool2.run(keras_file_writers, str(tmp_path)):
         np.testing.assert_array_equal(h5_value, np.arange(4.0))
         assert same
-        assert (
-            "direct.h5" in names
-            and "direct.npz" in names
-            and "sharded.weights.json" in names
-        )
+        assert "direct.h5" in names and "sharded.weights.json" in names
+        assert ("direct.npz" in names) == has_npz
         assert all(n.startswith(("direct.", "sharded")) for n in names), names
     leftovers = {
         n
