@@ -12,7 +12,7 @@ from helpers import set_distribution
 ROWS = 72  # 72 rows, batch 16: a last batch of 8
 
 
-def _model(optimizer="adam", accumulation=None):
+def _model(optimizer="adam", accumulation=None, **compile_kwargs):
     import keras
 
     keras.utils.set_random_seed(7)
@@ -29,7 +29,10 @@ def _model(optimizer="adam", accumulation=None):
             0.05, momentum=0.9, gradient_accumulation_steps=accumulation
         )
     model.compile(
-        opt, "mse", metrics=["mae", keras.metrics.RootMeanSquaredError()]
+        opt,
+        "mse",
+        metrics=["mae", keras.metrics.RootMeanSquaredError()],
+        **compile_kwargs,
     )
     return model
 
@@ -76,12 +79,13 @@ def train(
     accumulation=None,
     epochs=2,
     batch_size=16,
+    **compile_kwargs,
 ):
     """Train; return weights, history, evaluate and predict results."""
     import keras
 
     set_distribution(kind)
-    model = _model(optimizer, accumulation)
+    model = _model(optimizer, accumulation, **compile_kwargs)
     x, y = _data()
     args, kwargs = _inputs(inputs, x, y, batch_size)
     history = model.fit(
@@ -130,6 +134,30 @@ def test_gradient_accumulation_matches_one_process(pool2):
     assert_same_training(
         results, _reference(optimizer="sgd", accumulation=2, batch_size=8)
     )
+
+
+def several_steps_refused():
+    """Keras' error for steps_per_execution=2 on torch, or None where Keras
+    runs it (3.16; 3.15 refuses it)."""
+    model = _model(steps_per_execution=2)
+    try:
+        model.make_train_function()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind,jit", [("dp", False), ("mp", True)])
+def test_several_steps_per_execution_match_one_process(pool2, kind, jit):
+    refusal = several_steps_refused()
+    if refusal is not None:
+        assert "steps_per_execution" in refusal
+        assert pool2.run(several_steps_refused) == [refusal, refusal]
+        pytest.skip(f"this Keras refuses it on torch: {refusal}")
+    results = pool2.run(
+        train, kind, shuffle=True, steps_per_execution=3, jit_compile=jit
+    )
+    assert_same_training(results, _reference(shuffle=True))
 
 
 def indivisible_batch():

@@ -178,11 +178,9 @@ def compiles_under_distribution(model):
 
 
 def _builds_compiled_step(model, existing, force):
-    return (
-        compiles_under_distribution(model)
-        and (force or existing is None)
-        and model.steps_per_execution == 1
-    )
+    # steps_per_execution > 1 (Keras 3.16 on torch) reaches this step one
+    # batch at a time (`replica_start`).
+    return compiles_under_distribution(model) and (force or existing is None)
 
 
 # The step kinds Keras makes functions for: kind -> whether its step runs

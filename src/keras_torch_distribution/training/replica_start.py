@@ -24,6 +24,9 @@ predictions of every replica gathered by `trainer`).
 
 import weakref
 
+import keras
+import torch
+
 from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
@@ -74,6 +77,19 @@ def make_step_function(kind, original, model, force=False):
             and runtime.is_multi_process()
         ):
             equalize(owner)
+        if isinstance(data, list) and len(data) > 1:
+            # steps_per_execution > 1 (Keras 3.16 allows it on torch): one
+            # step per batch, so that the compiled step sees one batch and
+            # each batch's predictions of every replica come in input order.
+            results = [one_step(owner, [batch]) for batch in data]
+            if not gathers:
+                return results[-1]
+            return keras.tree.map_structure(
+                lambda *rows: torch.cat(rows, dim=0), *results
+            )
+        return one_step(owner, data)
+
+    def one_step(owner, data):
         if clears_gradients and owner is not None:
             # Keras' train_step sets the last step's gradients to None after
             # its forward; before it, they are not alive beside the forward's
