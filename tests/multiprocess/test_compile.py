@@ -297,3 +297,44 @@ def test_compiled_heads_sharded_attention_matches_eager_one_process(
         np.testing.assert_allclose(
             predictions, ref_predictions, rtol=1e-4, atol=2e-5
         )
+
+
+def overlap_under_jit_compile(jit_compile):
+    """Under DataParallel: whether each step's gradients were averaged by
+    the all-reduces the gradient hooks started during backward (one entry
+    per step), and whether Keras wrapped the model in DDP."""
+    from keras_torch_distribution.training import overlap
+
+    averaged_in_backward = []
+    finish = overlap.OverlappedReducer.finish
+
+    def recording_finish(self, grads):
+        used = finish(self, grads)
+        averaged_in_backward.append(used)
+        return used
+
+    overlap.OverlappedReducer.finish = recording_finish
+    try:
+        set_distribution("dp")
+        model = _model(jit_compile)
+        x, y = _data()
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    finally:
+        overlap.OverlappedReducer.finish = finish
+    return averaged_in_backward, getattr(model, "ddp_model", None) is None
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_gradients_average_during_backward_also_when_compiled(
+    pool2, jit_compile
+):
+    # Keras 3.16's torch train_step takes gradients with autograd.grad
+    # under jit_compile, which fires no gradient hook; the package's
+    # compiled step makes it call backward(), as 3.15's always does.
+    for averaged_in_backward, no_ddp in pool2.run(
+        overlap_under_jit_compile, jit_compile
+    ):
+        # The first step makes the hooks (after its backward).
+        steps = ROWS // BATCH
+        assert averaged_in_backward == [False] + [True] * (steps - 1)
+        assert no_ddp
