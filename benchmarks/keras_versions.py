@@ -45,10 +45,10 @@ def _distribution(case, devices):
         layout_map = dist.LayoutMap(mesh)
         for i in range(LAYERS):
             column = i % 2 == 0
-            layout_map[f"dense_{i}/kernel"] = (
+            layout_map[f".*dense_{i}/kernel"] = (
                 (None, "model") if column else ("model", None)
             )
-            layout_map[f"dense_{i}/bias"] = ("model",) if column else (None,)
+            layout_map[f".*dense_{i}/bias"] = ("model",) if column else (None,)
         return dist.ModelParallel(layout_map=layout_map), 1
     mesh = dist.DeviceMesh((2,), ["model"], devices)
     layout_map = dist.LayoutMap(mesh)
