@@ -55,7 +55,10 @@ def _keras_step(mode):
     if mode == "keras+ktd":
         import keras_torch_distribution  # noqa: F401
     if mode == "keras-xent":
-        from keras.src.backend.torch import nn as torch_nn
+        try:  # Keras 3.15
+            from keras.src.backend.torch import nn as torch_nn
+        except ImportError:  # Keras 3.16: the torch ops moved
+            from keras.src.backend.torch.ops import nn as torch_nn
 
         torch_nn.sparse_categorical_crossentropy = _rows_cross_entropy
     import keras
