@@ -24,10 +24,20 @@ try:  # Keras 3.15: the torch backend's ops are modules of the backend
     from keras.src.backend.torch import core as torch_core
     from keras.src.backend.torch import nn as torch_nn
     from keras.src.backend.torch import numpy as torch_numpy
-except ImportError:  # Keras 3.16: they moved to backend.torch.ops
-    from keras.src.backend.torch.ops import core as torch_core
-    from keras.src.backend.torch.ops import nn as torch_nn
-    from keras.src.backend.torch.ops import numpy as torch_numpy
+except ImportError:
+    try:  # Keras 3.16: they moved to backend.torch.ops
+        from keras.src.backend.torch.ops import core as torch_core
+        from keras.src.backend.torch.ops import nn as torch_nn
+        from keras.src.backend.torch.ops import numpy as torch_numpy
+    except ImportError as error:
+        raise ImportError(
+            "keras_torch_distribution cannot find the torch backend's core, "
+            "nn and numpy modules in keras "
+            f"{keras.__version__} (looked in keras.src.backend.torch, as in "
+            "Keras 3.15, and keras.src.backend.torch.ops, as in 3.16: "
+            f"{error}). Install a supported Keras: pip install "
+            "'keras>=3.15.1,<3.17'."
+        ) from error
 from keras.src.backend.common import variables as common_variables
 from keras.src.backend.torch import random as torch_random
 from keras.src.backend.torch import trainer as torch_trainer
@@ -427,9 +437,16 @@ BackupAndRestore = keras.callbacks.BackupAndRestore
 
 # The torch trainer: `TorchTrainer` (3.15), `Trainer` (3.16); the trainer
 # base class: `Trainer` (3.15), `BaseTrainer` (3.16).
-TorchTrainer = getattr(torch_trainer, "TorchTrainer", None) or (
-    torch_trainer.Trainer
+TorchTrainer = getattr(torch_trainer, "TorchTrainer", None) or getattr(
+    torch_trainer, "Trainer", None
 )
+if TorchTrainer is None:
+    raise ImportError(
+        "keras_torch_distribution cannot find Keras' torch trainer class in "
+        f"keras {keras.__version__} (expected TorchTrainer, as in Keras "
+        "3.15, or Trainer, as in 3.16, in keras.src.backend.torch.trainer). "
+        f"Install a supported Keras: pip install 'keras{SUPPORTED_KERAS_TEXT}'."
+    )
 BaseTrainer = getattr(base_trainer, "BaseTrainer", None) or (
     base_trainer.Trainer
 )
