@@ -17,7 +17,9 @@ model.train_function on prebuilt per-rank batches, the median of `steps`
 timed ones, the collectives one more step issues (collective_counts), the
 loss of one evaluate on the global batch afterwards (the same on every
 Keras if the numbers are), and whether Keras wrapped the model in DDP.
-Rank 0 prints one JSON line per case.
+Rank 0 prints one JSON line per case. `--native-ddp` (Keras 3.16 only)
+puts Keras' own `_initialize_ddp` back, to count what DDP wrapping adds
+to the package's own gradient all-reduce.
 """
 
 import argparse
@@ -117,6 +119,7 @@ def main():
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--native-ddp", action="store_true")
     args = parser.parse_args()
     import keras
     import torch
@@ -124,6 +127,13 @@ def main():
 
     import keras_torch_distribution  # noqa: F401
 
+    if args.native_ddp:
+        from keras_torch_distribution import _install
+
+        (patch,) = [
+            p for p in _install._installed if p.name == "_initialize_ddp"
+        ]
+        setattr(patch.owner, patch.name, patch.original)
     torch.set_num_threads(1)
     keras.distribution.initialize()
     for case in args.cases.split(","):
