@@ -304,6 +304,7 @@ def overlap_under_jit_compile(jit_compile):
     the all-reduces the gradient hooks started during backward (one entry
     per step), and whether Keras wrapped the model in DDP."""
     from keras_torch_distribution.training import overlap
+    from keras_torch_distribution.variables import born_sharded
 
     averaged_in_backward = []
     finish = overlap.OverlappedReducer.finish
@@ -314,6 +315,10 @@ def overlap_under_jit_compile(jit_compile):
         return used
 
     overlap.OverlappedReducer.finish = recording_finish
+    # As in a process that never made a sharded variable (earlier tests on
+    # this pool did; the overlap is for pure data parallelism).
+    sharded_exist = born_sharded.state.sharded_exist
+    born_sharded.state.sharded_exist = False
     try:
         set_distribution("dp")
         model = _model(jit_compile)
@@ -321,6 +326,7 @@ def overlap_under_jit_compile(jit_compile):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     finally:
         overlap.OverlappedReducer.finish = finish
+        born_sharded.state.sharded_exist = sharded_exist
     return averaged_in_backward, getattr(model, "ddp_model", None) is None
 
 

@@ -157,7 +157,11 @@ def test_several_steps_per_execution_match_one_process(pool2, kind, jit):
     results = pool2.run(
         train, kind, shuffle=True, steps_per_execution=3, jit_compile=jit
     )
-    assert_same_training(results, _reference(shuffle=True))
+    # Keras shuffles differently with steps_per_execution > 1 (measured on
+    # 3.16 in one process: epoch 2 differs), so the reference uses it too.
+    assert_same_training(
+        results, _reference(shuffle=True, steps_per_execution=3)
+    )
 
 
 def indivisible_batch():

@@ -8,6 +8,7 @@ seam's patch table).
 - `batch_normalization`: a plain input beside sharded statistics.
 """
 
+import keras
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
@@ -18,14 +19,32 @@ from keras_torch_distribution.distributed.tensors import host_value
 
 
 def to_numpy(original, value):
-    """Keras' `convert_to_numpy`: a DTensor gives its global value,
-    assembled in host memory (`host_value`).
+    """Keras' `convert_to_numpy`: a DTensor, or a variable holding one,
+    gives its global value assembled in host memory (`host_value`); so do
+    those in a list or tuple. (Keras 3.16's own converts variables and
+    DTensors too, but gathers them whole on the device.)
 
     Collective for DTensors: call on every rank.
     """
+    if isinstance(value, (list, tuple)):
+        on_host = [_on_host(v) for v in value]
+        if any(h is not v for h, v in zip(on_host, value)):
+            value = on_host
+        return original(value)
+    return original(_on_host(value))
+
+
+def _on_host(value):
+    if isinstance(value, keras.Variable):
+        stored = value.value
+        return (
+            host_value(stored.detach())
+            if isinstance(stored, DTensor)
+            else value
+        )
     if isinstance(value, DTensor):
-        value = host_value(value.detach())
-    return original(value)
+        return host_value(value.detach())
+    return value
 
 
 def _writable_by(inputs, updates):
