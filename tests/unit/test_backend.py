@@ -5,7 +5,6 @@ These run in the pytest process (KERAS_BACKEND=torch, set by conftest) and
 start no process group, except `one_process_world`, which removes its own.
 """
 
-
 import keras
 import numpy as np
 import pytest
