@@ -172,10 +172,12 @@ def main():
                 "width": args.width,
                 "full_model_bytes": full,
             },
-            "measure": "wall time of checkpoint.save / checkpoint.load, the slower "
-            "rank's, median of the repeats; 'without' = "
-            "_dcp.CHECKSUMS_ON_SAVE False (nothing recorded, so "
-            "nothing verified on load)",
+            "measure": (
+                "wall time of checkpoint.save / checkpoint.load, the slower "
+                "rank's, median of the repeats; 'without' = "
+                "_dcp.CHECKSUMS_ON_SAVE False (nothing recorded, so nothing "
+                "verified on load)"
+            ),
             "median_s": medians,
             "save_ratio_with_over_without": save_ratio,
             "load_ratio_with_over_without": load_ratio,

@@ -306,9 +306,11 @@ def main():
             "width": args.width,
             "full_model_bytes": full,
         },
-        "measure": "per rank: (peak RSS, psutil sampled every 0.5 ms) - (RSS just "
-        "before creation), over full model bytes; ratio_maxrss uses "
-        "ru_maxrss instead of the sampled peak",
+        "measure": (
+            "per rank: (peak RSS, psutil sampled every 0.5 ms) - (RSS just "
+            "before creation), over full model bytes; ratio_maxrss uses "
+            "ru_maxrss instead of the sampled peak"
+        ),
         "target_ratio_ours": TARGET,
         "ratio_ours": ours,
         "ratio_naive": naive,

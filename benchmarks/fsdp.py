@@ -656,9 +656,10 @@ def main():
         print(
             f"  {case:20} {fmt(m['step_ms']):>8} | {fmt(m['cpu_ms']):>7} | "
             f"{fmt(m['peak_mib']):>6} | {fmt(m['hwm_mib']):>6} | "
-            f"{fmt(m['state_mib'], 2):>6} | {fmt(m['step_ms_mmap_allocator']):>7}"
-            f"   rounds ms {[round(f['step_ms'], 1) for f in figures[case]['time']]}"
-            f" load {[f['loadavg'] for f in figures[case]['time']]}"
+            f"{fmt(m['state_mib'], 2):>6} | "
+            f"{fmt(m['step_ms_mmap_allocator']):>7}   rounds ms "
+            f"{[round(f['step_ms'], 1) for f in figures[case]['time']]} load "
+            f"{[f['loadavg'] for f in figures[case]['time']]}"
         )
     print("\nkeras / torch:")
     for model_kind, r in ratios.items():

@@ -266,9 +266,9 @@ def main():
         print(
             f"  {case:9} median step {ms:8.2f} ms   params/rank "
             f"{[round(b / 2**20, 2) for b in m['param_bytes_per_rank']]} MiB   "
-            f"optimizer state/rank "
-            f"{[round(b / 2**20, 2) for b in m['optimizer_state_bytes_per_rank']]} MiB"
-            f"   (full params {m['full_param_bytes'] / 2**20:.2f} MiB)"
+            "optimizer state/rank "
+            f"{[round(b / 2**20, 2) for b in m['optimizer_state_bytes_per_rank']]} "
+            f"MiB   (full params {m['full_param_bytes'] / 2**20:.2f} MiB)"
         )
     for name, value in ratios.items():
         print(f"  {name:46} {value:.3f}")

@@ -301,10 +301,13 @@ def main():
             },
         }
         print(
-            f"{case}: step {feature:.2f} ms vs {without:.2f} ms without "
-            f"({feature / without:.3f}x); 3 layers cost {3 * layer_cost:.2f} ms "
-            f"per step ({1 + 3 * layer_cost / without:.3f}x); broadcast once "
-            f"{broadcast:.2f} ms",
+            (
+                f"{case}: step {feature:.2f} ms vs {without:.2f} ms without "
+                f"({feature / without:.3f}x); 3 layers cost "
+                f"{3 * layer_cost:.2f} ms per step "
+                f"({1 + 3 * layer_cost / without:.3f}x); broadcast once "
+                f"{broadcast:.2f} ms"
+            ),
             flush=True,
         )
     payload = {

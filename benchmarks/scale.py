@@ -1072,8 +1072,8 @@ def main():
             )
             entry["keras_over_fsdp2_worst_peak"] = round(k_worst / t_worst, 3)
             print(
-                f"  {allocator:8} keras / FSDP2 worst peak: {k_worst / t_worst:.3f} "
-                f"(target <= {TARGET_OF_FSDP2})"
+                f"  {allocator:8} keras / FSDP2 worst peak: "
+                f"{k_worst / t_worst:.3f} (target <= {TARGET_OF_FSDP2})"
             )
         payload["by_allocator"][allocator] = entry
     payload["ranks"] = runs

@@ -294,8 +294,8 @@ def test_a_started_process_that_raises_ends_the_command(marker):
     assert "finished training" not in result.stdout
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(
-        "keras.distribution.initialize(): rank 1 (local rank 1) failed first, exit code "
-        "1: RuntimeError: deliberate failure on rank 1 after epoch 1."
+        "keras.distribution.initialize(): rank 1 (local rank 1) failed first, "
+        "exit code 1: RuntimeError: deliberate failure on rank 1 after epoch 1."
     ), result.stderr[-4000:]
     assert elapsed < 180, f"took {elapsed:.0f} s"
     assert _marked_processes(marker) == []

@@ -88,7 +88,8 @@ def test_cpu_collectives_run_on_a_gloo_side_group(tmp_path):
         assert result["stopping"] == [1]
         assert result["agreed"] == 2
         assert result["disagreement"].startswith(
-            "fit() differs between ranks in x: ranks [0]: rank 0; ranks [1]: rank 1."
+            "fit() differs between ranks in x: ranks [0]: rank 0; ranks [1]: "
+            "rank 1."
         )
         assert result["files_agree"] == rank
     assert results[0]["shuffle_draw"] == results[1]["shuffle_draw"]

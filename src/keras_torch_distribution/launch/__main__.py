@@ -17,7 +17,10 @@ import sys
 
 from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
 
-USAGE = "usage: python -m keras_torch_distribution.launch SCRIPT [ARGS] | -m MODULE [ARGS]"
+USAGE = (
+    "usage: python -m keras_torch_distribution.launch SCRIPT [ARGS] | -m "
+    "MODULE [ARGS]"
+)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 

@@ -62,7 +62,10 @@ def why_not(first_use=None, environ=os.environ):
     if "ipykernel" in sys.modules:
         return "it runs in a Jupyter kernel"
     if argv0 in ("-c", "-", ""):
-        return "Python runs a program given by -c or on stdin, which cannot be run again"
+        return (
+            "Python runs a program given by -c or on stdin, which cannot be "
+            "run again"
+        )
     if not getattr(main, "__file__", None) and not getattr(
         main, "__spec__", None
     ):
@@ -136,6 +139,7 @@ def start_processes(launch, timeout_seconds):
         elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as error:
         raise SystemExit(
-            f"{error}\n{failure_summary(error.failures, launcher=LAUNCHER_NAME)}"
+            f"{error}\n"
+            f"{failure_summary(error.failures, launcher=LAUNCHER_NAME)}"
         ) from None
     raise SystemExit(0)

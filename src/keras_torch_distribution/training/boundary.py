@@ -125,9 +125,9 @@ def _explain_uneven(layer, error):
             f"dim {d} of size {n} over {k} processes" for d, n, k in uneven
         )
         lines.append(
-            f"variable {variable.path!r} (shape {tuple(variable.shape)}, layout "
-            f"{tuple(variable._ktd_layout.axes)}) splits {splits}; a layout "
-            f"that works: {tuple(axes)}"
+            f"variable {variable.path!r} (shape {tuple(variable.shape)}, "
+            f"layout {tuple(variable._ktd_layout.axes)}) splits {splits}; a "
+            f"layout that works: {tuple(axes)}"
         )
     raise ValueError(
         f"{type(layer).__name__} {layer.name!r} failed on an "
