@@ -1,6 +1,7 @@
 """What checksums cost: sharded checkpoint save and load times with and without.
 
-    python benchmarks/checkpoint_checksum.py [--width 2048] [--layers 6] [--repeats 7]
+    python benchmarks/checkpoint_checksum.py [--width 2048] [--layers 6]
+                                             [--repeats 7]
 
 Model: Input(width) -> `layers` Dense(width), float32, no optimizer
 (6 x 2048: 96 MiB of weights), kernels column / row sharded alternately on

@@ -1,7 +1,8 @@
 """Eager vs torch.compile'd step time under DataParallel / ModelParallel,
 and against raw PyTorch (DDP, parallelize_module tensor parallelism).
 
-    python benchmarks/compile.py [--steps 20] [--warmup 5] [--repeats 1] [--quick]
+    python benchmarks/compile.py [--steps 20] [--warmup 5] [--repeats 1]
+                                 [--quick]
 
 Every case runs in fresh processes (torchrun, gloo, CPU, OMP_NUM_THREADS=1):
   keras_{dp,mp}_{mlp,block}_{eager,compiled}

@@ -75,11 +75,11 @@ Every case is launched in two kinds of fresh processes; per rank:
 interleaved; `--memory-rounds` (in the first rounds) of memory launches. A
 launch's figure is the worse rank's, a case's the median over rounds.
 Ratios are keras / torch. Targets (issue 18): collectives per step at
-most FSDP2's, step time and peak memory at most 1.05x FSDP2's. `--profile`: 5 more steps after the timed
-ones under torch.profiler or cProfile, rank 0's table written to
-results/fsdp_profile_<case>_<how>.txt (torch: sorted by BENCH_PROFILE_SORT,
-default cpu_time_total, e.g. self_cpu_time_total; cProfile: also the raw
-stats in results/fsdp_profile_<case>.pstats, and the callers of the
+most FSDP2's, step time and peak memory at most 1.05x FSDP2's. `--profile`: 5
+more steps after the timed ones under torch.profiler or cProfile, rank 0's table
+written to results/fsdp_profile_<case>_<how>.txt (torch: sorted by
+BENCH_PROFILE_SORT, default cpu_time_total, e.g. self_cpu_time_total; cProfile:
+also the raw stats in results/fsdp_profile_<case>.pstats, and the callers of the
 functions matching the regex BENCH_PROFILE_CALLERS when set).
 Results: benchmarks/results/fsdp.json.
 """

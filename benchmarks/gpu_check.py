@@ -319,7 +319,6 @@ def compare_fits(plain, package):
 
 
 def _run_speed(name):
-    timeout = SECTIONS[name][1]
     modes = list(SPEED_MODES)
     try:
         import jax  # noqa: F401
@@ -429,11 +428,8 @@ def summarize(report):
         line = f"  {name:12} {result['status']:8} {result['seconds']:7.1f} s"
         if name in ("fit_mlp", "fit_llama") and "comparisons" in result:
             worst = [c for c in result["comparisons"] if not c["ok"]]
-            line += (
-                "  "
-                f"{len(result['comparisons']) - len(worst)}/{len(result['comparisons'])} "
-                "fits match plain Keras"
-            )
+            total = len(result["comparisons"])
+            line += f"  {total - len(worst)}/{total} fits match plain Keras"
             for c in worst:
                 line += (
                     f"\n      {c['fit']} {c['precision']} jit={c['jit']}: "

@@ -1,7 +1,8 @@
 """What one device's numbers cost: the BatchNorm all-reduce and the dropout
 slicing per step, and the start-of-training broadcast once.
 
-    python benchmarks/one_device_numbers.py [--steps 20] [--warmup 3] [--repeats 3]
+    python benchmarks/one_device_numbers.py [--steps 20] [--warmup 3]
+                                            [--repeats 3]
 
 Cases, each on 2 torchrun processes under DataParallel (global batch split
 in two), OMP_NUM_THREADS=1 per process:

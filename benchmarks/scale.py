@@ -134,7 +134,8 @@ class Sampler:
         self._stop = threading.Event()
         self.phase_peak = 0
         self.mark_peak = 0
-        self.marks = []  # (label, peak RSS since the previous mark, RSS now, _heap())
+        # (label, peak RSS since the previous mark, RSS now, _heap())
+        self.marks = []
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 

@@ -196,7 +196,8 @@ def checkpoint_model(width=16, last="row"):
 
 
 def distribute(rules, mesh_shape=None, axis_names=("model",)):
-    """Set ModelParallel with {pattern: axes} `rules` (None: no distribution)."""
+    """Set ModelParallel with {pattern: axes} `rules` (None: no
+    distribution)."""
     import keras
 
     if rules is None:

@@ -179,7 +179,8 @@ def _patch_table():
             adapter.get_data_adapter,
             wrap=True,
         ),
-        # Training: gradients averaged over replicas, metrics summed, Adam in place.
+        # Training: gradients averaged over replicas, metrics summed, Adam in
+        # place.
         Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(
             k.TorchAdam,
@@ -324,7 +325,8 @@ def _state_objects():
     per-model caches, then the mesh caches they were built on."""
     return (
         sharding_rules.registration,  # torch's own rules and handlers back
-        born_sharded.state,  # implicit replication off; no sharded variables seen
+        # implicit replication off; no sharded variables seen
+        born_sharded.state,
         trainer.optimizer_sync,  # overlapped reducers and their gradient hooks
         metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,

@@ -97,7 +97,8 @@ def _start(args, env):
 
 
 def _run_all(envs, args=(_SCRIPT,), timeout=300):
-    """Start one process per environment (a scheduler's processes), wait for all."""
+    """Start one process per environment (a scheduler's processes), wait for
+    all."""
     processes = [_start(args, env) for env in envs]
     try:
         return [finish(process, timeout) for process in processes]
@@ -109,7 +110,8 @@ def _run_all(envs, args=(_SCRIPT,), timeout=300):
 
 
 def _marked_processes(marker):
-    """Pids of live processes (zombies aside) whose environment holds `marker`."""
+    """Pids of live processes (zombies aside) whose environment holds
+    `marker`."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():

@@ -68,11 +68,18 @@ for kind, port in ports.items():
     start = time.monotonic()
     try:
         keras.distribution.initialize(
-            job_addresses=f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+            job_addresses=f"127.0.0.1:{port}",
+            num_processes=2,
+            process_id=process_id,
+        )
         found = None
     except RuntimeError as error:
         found = str(error)
-    print("RESULT", json.dumps([kind, found, time.monotonic() - start]), flush=True)
+    print(
+        "RESULT",
+        json.dumps([kind, found, time.monotonic() - start]),
+        flush=True,
+    )
 """
 
 

@@ -180,7 +180,8 @@ def test_mesh_cache_and_switching_meshes(pool2):
         assert result["distinct"] == 3
         assert result["mp_shape"] == (1, 2)
         assert result["mp_names"] == ("batch", "model")
-        # On the (1, 2) mesh the "batch" axis holds one rank: its sum is its own.
+        # On the (1, 2) mesh the "batch" axis holds one rank: its sum is its
+        # own.
         assert (
             result["sums"]
             == [

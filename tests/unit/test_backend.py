@@ -240,7 +240,8 @@ def test_init_method_parsing():
 
 
 def test_initialize_argument_errors(monkeypatch):
-    # KTD_SPAWN=0: initialize(num_processes=2) must not start 2 pytest processes.
+    # KTD_SPAWN=0: initialize(num_processes=2) must not start 2 pytest
+    # processes.
     monkeypatch.setenv("KTD_SPAWN", "0")
     if dist.is_initialized():
         pytest.skip(

@@ -24,10 +24,11 @@ SLURM see the step of the per-node daemons):
     local         nothing: one process, or one per local device
 
 Each row is one function of `schedulers`; `record` holds the `Launch`
-record and the readers. A row matches only on its full set of variables. Where a row's variables
-show a job of several processes but some are missing or disagree, it raises
-`IncompleteEnvironmentError` naming what it found, what is missing and the
-fix: a process never trains alone because its launcher went unrecognised.
+record and the readers. A row matches only on its full set of variables. Where a
+row's variables show a job of several processes but some are missing or
+disagree, it raises `IncompleteEnvironmentError` naming what it found, what is
+missing and the fix: a process never trains alone because its launcher went
+unrecognised.
 MASTER_ADDR and MASTER_PORT win over an address or port a row derives.
 KTD_CLUSTER=<row name> tries only that row (an error if it does not match);
 KTD_CLUSTER=none skips them all. KTD_SPAWN=0 never starts local processes;

@@ -1,4 +1,5 @@
-"""This node's processes, started by `initialize()` through torch's elastic agent.
+"""This node's processes, started by `initialize()` through torch's elastic
+agent.
 
 Where `environments.detect` says this process should start its node's
 processes (a bare `python train.py` on a machine with several GPUs,

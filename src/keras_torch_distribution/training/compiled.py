@@ -14,7 +14,8 @@ compiled backward. Gradient sync and the optimizer update run eagerly,
 overlapped with that backward as without compilation. Replaces, through
 the seam, Keras' `make_train_function` / `make_test_function` /
 `make_predict_function` (one factory, `make_step_function`, so steps made
-by user code before `fit` get this too) and Keras' flash-attention check while compiling.
+by user code before `fit` get this too) and Keras' flash-attention check while
+compiling.
 """
 
 import types
