@@ -64,9 +64,10 @@ def _patch_table():
     Two changes sit outside this table, both undone by `uninstall()` too:
     `distributed.sharding_rules.register()` adds DTensor rules to torch's
     own tables (`DTensor._op_dispatcher`; clearing
-    `sharding_rules.registration` puts torch's back), and `_keras.initializers_drawing_from` swaps Keras'
-    initializers' random module inside one `with` block while a sharded
-    variable is initialised (`variables.sharded_init`).
+    `sharding_rules.registration` puts torch's back), and
+    `_keras.initializers_drawing_from` swaps Keras' initializers' random
+    module inside one `with` block while a sharded variable is initialised
+    (`variables.sharded_init`).
     """
     k = _keras
     return [
@@ -192,7 +193,8 @@ def _patch_table():
             adapter.get_data_adapter,
             wrap=True,
         ),
-        # Training: gradients averaged over replicas, metrics summed, Adam in place.
+        # Training: gradients averaged over replicas, metrics summed, Adam in
+        # place.
         Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(
             k.TorchAdam,
@@ -337,8 +339,10 @@ def _state_objects():
     per-model caches, then the mesh caches they were built on."""
     return (
         sharding_rules.registration,  # torch's own rules and handlers back
-        born_sharded.state,  # implicit replication off; no sharded variables seen
-        gradients.optimizer_sync,  # overlapped reducers and their gradient hooks
+        # implicit replication off; no sharded variables seen
+        born_sharded.state,
+        # overlapped reducers and their gradient hooks
+        gradients.optimizer_sync,
         metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,
         boundary.active_forward,

@@ -100,8 +100,8 @@ FOREACH_CHUNK_BYTES = 64 * 2**20
 
 
 def _chunks(every):
-    """`every` (per variable: value, grad, m, v[, v_hat] plain tensors) in runs of
-    consecutive variables of one dtype and device up to FOREACH_CHUNK_BYTES
+    """`every` (per variable: value, grad, m, v[, v_hat] plain tensors) in runs
+    of consecutive variables of one dtype and device up to FOREACH_CHUNK_BYTES
     (a larger variable is a chunk of its own)."""
     chunk, size = [], 0
     for blocks in every:
