@@ -49,7 +49,7 @@ around each gradient reduce-scatter (the package's internals, wrapped).
 
 Targets (issue 18): every rank's peak <= 0.35 of the training state with
 either allocator, within 10% of FSDP2's. Results:
-benchmarks/results/scale.json (numbers in benchmarks/README.md).
+benchmarks/results/scale.json (numbers in benchmarks/reports/).
 """
 
 import argparse
