@@ -1,18 +1,31 @@
 """The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`."""
 
+from __future__ import annotations
+
 import os
 import platform
 import sys
+from typing import TYPE_CHECKING
 
-USAGE = """usage:
-  ktd run -n N [torchrun options] SCRIPT [ARGS]   run SCRIPT on N processes
-  ktd env                                         versions, devices, settings, and the
-                                                  job initialize() would join here
-  ktd report CHECKPOINT                           each variable's shards in a checkpoint
-"""
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+USAGE = (
+    "usage:\n"
+    "  ktd run -n N [torchrun options] SCRIPT [ARGS]"
+    "   run SCRIPT on N processes\n"
+    "  ktd env                                        "
+    " versions, devices, settings, and the\n"
+    "                                                 "
+    " job initialize() would join here\n"
+    "  ktd report CHECKPOINT                          "
+    " each variable's shards in a checkpoint\n"
+)
 
 
-def print_env():
+def print_env() -> int:
+    """Print the versions, devices and settings, then what initialize()
+    would do here (`print_launch`); its exit status."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
     import keras
     import torch
@@ -52,7 +65,7 @@ def print_env():
     return print_launch()
 
 
-def print_launch():
+def print_launch() -> int:
     """What keras.distribution.initialize() would do in this process (which
     launcher, address, port, world, rank, local rank), starting nothing.
     1 when the environment is incomplete (the error is printed)."""
@@ -69,7 +82,9 @@ def print_launch():
     return 0
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `ktd` command on `argv` (default: `sys.argv[1:]`); its exit
+    status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

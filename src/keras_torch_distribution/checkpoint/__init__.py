@@ -45,8 +45,10 @@ Modules, bottom first (a module imports only those above it):
 
 from keras_torch_distribution.checkpoint._dcp import PendingCheckpoint
 from keras_torch_distribution.checkpoint._dcp import async_save
-from keras_torch_distribution.checkpoint._dcp import complete_at_exit
-from keras_torch_distribution.checkpoint._dcp import forget_process_groups
+
+# Not public: the exit sequence (`_install`) reaches these two here.
+from keras_torch_distribution.checkpoint._dcp import complete_at_exit  # noqa: F401
+from keras_torch_distribution.checkpoint._dcp import forget_process_groups  # noqa: F401
 from keras_torch_distribution.checkpoint._dcp import load
 from keras_torch_distribution.checkpoint._dcp import read_extra
 from keras_torch_distribution.checkpoint._dcp import save
