@@ -13,12 +13,13 @@ import gc
 import keras
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import checkpoint
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import saving
 from keras_torch_distribution.batch import adapter
 from keras_torch_distribution.batch import random_slices
 from keras_torch_distribution.batch import sync_batch_norm
+from keras_torch_distribution.checkpoint import _dcp
+from keras_torch_distribution.checkpoint import callbacks
 from keras_torch_distribution.distributed import keras_ops
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
@@ -219,15 +220,15 @@ def _patch_table():
             )
         ],
         Patch(
-            k.BackupAndRestore, "_save_model", checkpoint.backup_save, wrap=True
+            k.BackupAndRestore, "_save_model", callbacks.backup_save, wrap=True
         ),
         Patch(
-            k.BackupAndRestore, "_load_model", checkpoint.backup_load, wrap=True
+            k.BackupAndRestore, "_load_model", callbacks.backup_load, wrap=True
         ),
         Patch(
             k.BackupAndRestore,
             "on_train_end",
-            checkpoint.backup_train_end,
+            callbacks.backup_train_end,
             wrap=True,
         ),
     ]
@@ -307,11 +308,11 @@ def exit_sequence():
 
     Collective: every rank exits through it.
     """
-    checkpoint.complete_at_exit()
+    _dcp.complete_at_exit()
     runtime.shutdown()
     if not runtime.is_initialized():  # the meshes' groups are dead now
         layouts.torch_meshes.release_process_groups()
-    checkpoint.forget_process_groups()
+    _dcp.forget_process_groups()
     for state in _state_objects():
         state.clear()
     gc.collect()
