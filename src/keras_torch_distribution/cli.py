@@ -1,4 +1,5 @@
-"""The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`."""
+"""The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`, `ktd
+report`, `ktd plan`."""
 
 import os
 import platform
@@ -9,6 +10,8 @@ USAGE = """usage:
   ktd env                                         versions, devices, settings, and the
                                                   job initialize() would join here
   ktd report CHECKPOINT                           each variable's shards in a checkpoint
+  ktd plan --world N [--json PATH] SCRIPT [ARGS]  per-rank memory and collectives of
+                                                  SCRIPT at N processes, simulated here
 """
 
 
@@ -82,6 +85,10 @@ def main(argv=None):
         return 0
     if command == "env":
         return print_env()
+    if command == "plan":
+        from keras_torch_distribution.plan import command as plan_command
+
+        return plan_command.main(rest)
     if command == "report":
         if len(rest) != 1:
             print(
