@@ -170,9 +170,7 @@ def test_plan_equals_a_real_run(world, model, layout, request):
     for rank, measured in enumerate(real):
         for key in KEYS:
             assert planned[rank][key] == measured[key], (rank, key)
-        assert planned[rank]["total_bytes"] == sum(
-            measured[k] for k in KEYS
-        )
+        assert planned[rank]["total_bytes"] == sum(measured[k] for k in KEYS)
     counts = {k: v["count"] for k, v in plan["collectives_per_step"].items()}
     sizes = {k: v["bytes"] for k, v in plan["collectives_per_step"].items()}
     assert counts == real[0]["counts"]

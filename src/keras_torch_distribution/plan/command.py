@@ -4,8 +4,7 @@ import os
 import sys
 
 USAGE = (
-    "usage: ktd plan --world N [--json PATH] [--step auto|yes|no] "
-    "SCRIPT [ARGS]"
+    "usage: ktd plan --world N [--json PATH] [--step auto|yes|no] SCRIPT [ARGS]"
 )
 
 
@@ -51,9 +50,7 @@ def main(argv):
     from keras_torch_distribution.plan import runner
 
     try:
-        plan = runner.plan(
-            options["world"], script, args, step=options["step"]
-        )
+        plan = runner.plan(options["world"], script, args, step=options["step"])
     except (runner.PlanError, ValueError) as error:
         print(error, file=sys.stderr)
         return 2

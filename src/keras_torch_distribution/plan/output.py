@@ -79,9 +79,7 @@ def format_text(plan):
                 for i, (c, w) in enumerate(zip(r, widths))
             )
         )
-    worst = next(
-        r for r in plan["per_rank"] if r["rank"] == plan["worst_rank"]
-    )
+    worst = next(r for r in plan["per_rank"] if r["rank"] == plan["worst_rank"])
     if len(plan["per_rank"]) > 1:
         lines.append(
             f"worst rank: {plan['worst_rank']} ({human(worst['peak_bytes'])})"

@@ -25,7 +25,7 @@ from keras_torch_distribution.variables import left_whole
 # A fit simulates one step (and counts its collectives) when rank 0's
 # training state (parameters, gradients, two Adam slots: 4x its
 # parameters) is at most this many bytes: the step writes all of it.
-DEFAULT_STEP_LIMIT = 2 << 30
+DEFAULT_STEP_LIMIT = 1 << 30
 STEP_CHOICES = ("auto", "yes", "no")
 
 
@@ -115,22 +115,24 @@ def _gib(n):
 def _prefetch():
     """FSDP's prefetch depth on the machines planned for: KTD_FSDP_PREFETCH
     if set, else CUDA's default (1)."""
-    return gathering.prefetch_depth() if os.environ.get(
-        "KTD_FSDP_PREFETCH"
-    ) else 1
+    return (
+        gathering.prefetch_depth() if os.environ.get("KTD_FSDP_PREFETCH") else 1
+    )
 
 
 def assemble(record, world):
     """The plan's dict from the stopped script's model."""
     model = record.model
-    shards.check_rank0(model)
+    grads = record.gradient_layouts
+    shards.forget()
+    shards.check_rank0(model, grads)
     groups = shards.fsdp_groups(model)
     prefetch = _prefetch()
     rows = {}
     for rank in range(world):
         row = {
             "params_bytes": shards.params_bytes(model, rank),
-            "grads_bytes": shards.grads_bytes(model, rank),
+            "grads_bytes": shards.grads_bytes(model, rank, grads),
             "optimizer_bytes": shards.optimizer_bytes(model, rank),
         }
         row["total_bytes"] = sum(row.values())

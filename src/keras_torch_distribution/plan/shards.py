@@ -8,9 +8,11 @@ Rank 0's figures are checked against the blocks rank 0 holds
 that held for this one.
 
 - parameters: every model variable (trainable or not), in its stored dtype;
-- gradients: each trainable float variable's block, in its stored dtype
-  (gradients are aligned to their variables' layouts; FSDP's are reduce-
-  scattered into the stored shards);
+- gradients: each trainable variable's gradient as the simulated step left
+  it (`.grad`: a gradient may be laid out otherwise than its variable, a
+  replicated gradient of a sharded embedding); without a step, each
+  trainable float variable's block (FSDP's gradients are reduce-scattered
+  into the stored shards);
 - optimizer state: every optimizer variable (slots are laid out as their
   variables);
 - FSDP groups: the variables a group gathers along the batch axis (`fsdp.
@@ -29,6 +31,16 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import layouts
 
 
+# (global shape, id of the mesh, placements, rank) -> elements: variables
+# of one shape and layout (a model's blocks) are computed once per rank.
+_blocks = {}
+
+
+def forget():
+    """Drop the cached blocks (a new plan: meshes of the last one are gone)."""
+    _blocks.clear()
+
+
 def coordinate(mesh, rank):
     """`rank`'s coordinate in a torch DeviceMesh, or None if it is not in
     the mesh."""
@@ -38,27 +50,36 @@ def coordinate(mesh, rank):
     return tuple(int(i) for i in where[0])
 
 
+def _block(shape, mesh, placements, rank):
+    key = (shape, id(mesh), tuple(placements), rank)
+    if key not in _blocks:
+        where = coordinate(mesh, rank)
+        if where is None:
+            _blocks[key] = 0
+        else:
+            box = layouts.local_box(shape, mesh, placements, where)
+            _blocks[key] = math.prod(hi - lo for lo, hi in box)
+    return _blocks[key]
+
+
 def _itemsize(variable):
     value = _keras.raw_value(variable)
     if value is not None:
         return value.element_size()
-    return torch.empty((), dtype=_keras.to_torch_dtype(variable.dtype)).element_size()
+    return torch.empty(
+        (), dtype=_keras.to_torch_dtype(variable.dtype)
+    ).element_size()
 
 
-def block_numel(variable, rank, placements=None):
+def block_numel(variable, rank, placements=None, mesh=None):
     """How many elements of `variable` rank `rank` holds (with its own
-    placements, or `placements` on its mesh)."""
+    layout, or `placements` on its mesh, or on `mesh`)."""
     shape = tuple(int(n) for n in variable.shape)
     layout = layouts.resolved_layout(variable)
-    if layout is None:
+    if mesh is None and layout is None:
         return math.prod(shape)
-    where = coordinate(layout.mesh, rank)
-    if where is None:
-        return 0
-    box = layouts.local_box(
-        shape, layout.mesh, placements or layout.placements, where
-    )
-    return math.prod(hi - lo for lo, hi in box)
+    mesh = mesh if mesh is not None else layout.mesh
+    return _block(shape, mesh, placements or layout.placements, rank)
 
 
 def variable_bytes(variable, rank):
@@ -85,12 +106,49 @@ def params_bytes(model, rank):
     return sum(variable_bytes(v, rank) for v in unique(model.variables))
 
 
-def grads_bytes(model, rank):
-    return sum(
-        variable_bytes(v, rank)
-        for v in unique(model.trainable_variables)
-        if has_gradient(v)
-    )
+_NO_GRADIENT = object()
+
+
+def gradient_layouts(model):
+    """After a step: each trainable variable's gradient as autograd left it
+    (`.grad`): id(variable) -> (mesh, placements, itemsize) for a DTensor,
+    (None, None, itemsize) for a plain tensor; variables without one are
+    absent. A gradient may be laid out otherwise than its variable (a
+    replicated gradient of a sharded embedding), so that a step's own
+    layouts, not the variables', give each rank's gradient bytes."""
+    found = {}
+    for v in unique(model.trainable_variables):
+        value = _keras.raw_value(v)
+        grad = getattr(value, "grad", None)
+        if grad is None:
+            continue
+        placements = getattr(grad, "placements", None)
+        mesh = getattr(grad, "device_mesh", None)
+        found[id(v)] = (mesh, placements, grad.element_size())
+    return found
+
+
+def grads_bytes(model, rank, layouts_of_grads=None):
+    """Each trainable float variable's gradient on `rank`: laid out as the
+    step left it where `layouts_of_grads` (`gradient_layouts`) is given,
+    else as its variable."""
+    total = 0
+    for v in unique(model.trainable_variables):
+        if not has_gradient(v):
+            continue
+        if layouts_of_grads is None:
+            total += variable_bytes(v, rank)
+            continue
+        mesh, placements, itemsize = layouts_of_grads.get(
+            id(v), (None, None, _NO_GRADIENT)
+        )
+        if itemsize is _NO_GRADIENT:
+            continue
+        if mesh is None:
+            total += math.prod(int(n) for n in v.shape) * itemsize
+        else:
+            total += block_numel(v, rank, placements, mesh) * itemsize
+    return total
 
 
 def optimizer_variables(model):
@@ -104,9 +162,24 @@ def optimizer_bytes(model, rank):
     return sum(variable_bytes(v, rank) for v in optimizer_variables(model))
 
 
-def check_rank0(model):
-    """Rank 0's arithmetic against the blocks it holds; a RuntimeError
-    names the first variable where they differ (a bug in the plan)."""
+def check_rank0(model, layouts_of_grads=None):
+    """Rank 0's arithmetic against the blocks it holds (and the gradients
+    its step left); a RuntimeError names what differs (a bug in the
+    plan)."""
+    if layouts_of_grads is not None:
+        held = 0
+        for v in unique(model.trainable_variables):
+            grad = getattr(_keras.raw_value(v), "grad", None)
+            if grad is not None:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                held += local.numel() * local.element_size()
+        computed = grads_bytes(model, 0, layouts_of_grads)
+        if held != computed:
+            raise RuntimeError(
+                f"ktd plan: rank 0's gradients hold {held} bytes but their "
+                f"layouts give {computed}: the plan's arithmetic is wrong "
+                "here; please report it."
+            )
     for variable in unique(model.variables) + optimizer_variables(model):
         value = _keras.raw_value(variable)
         if value is None:

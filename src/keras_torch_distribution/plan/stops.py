@@ -15,6 +15,7 @@ import contextlib
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import collective_counts
+from keras_torch_distribution.plan import shards
 
 STOPPED_AT = ("fit", "evaluate", "predict", "save", "save_weights")
 
@@ -31,6 +32,8 @@ class Record:
         self.stopped_at = None
         self.tally = None  # collective_counts.Tally of one step, or None
         self.no_step = None  # why no step was simulated
+        # after the step: id(variable) -> its gradient's layout
+        self.gradient_layouts = None
 
 
 @contextlib.contextmanager
@@ -91,6 +94,7 @@ def _one_step(record, model, fit, args, kwargs):
             with collective_counts.tally() as tally:
                 original(data)
             record.tally = tally
+            record.gradient_layouts = shards.gradient_layouts(model)
             raise Stopped("fit")
 
         model.train_function = counted

@@ -45,22 +45,23 @@ def _empty(shape, dtype):
 @contextlib.contextmanager
 def unmaterialised():
     """Within the block, variables are born as unwritten blocks."""
-    owner = _keras.TorchVariable
-    installed = owner.__dict__["_initialize_with_initializer"]
     block = sharded_init.init_block
 
     def initialize_with_initializer(variable, initializer):
         return installed(variable, _UNWRITTEN)
+
+    installed = _keras.swap_variable_initializer_call(
+        initialize_with_initializer
+    )
 
     def init_block(initializer, shape, dtype, box, path):
         if isinstance(initializer, Unwritten):
             return _empty([hi - lo for lo, hi in box], dtype)
         return block(initializer, shape, dtype, box, path)
 
-    owner._initialize_with_initializer = initialize_with_initializer
     sharded_init.init_block = init_block
     try:
         yield
     finally:
-        owner._initialize_with_initializer = installed
+        _keras.swap_variable_initializer_call(installed)
         sharded_init.init_block = block

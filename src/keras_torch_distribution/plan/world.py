@@ -45,9 +45,7 @@ def simulated(world):
     saved = {k: os.environ.get(k) for k in ("KTD_DEVICE", "KERAS_BACKEND")}
     os.environ["KTD_DEVICE"] = "cpu"
     os.environ.setdefault("KERAS_BACKEND", "torch")
-    dist.init_process_group(
-        "fake", store=FakeStore(), rank=0, world_size=world
-    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     runtime.started.group = dist.group.WORLD
     try:
         runtime.keep_keras_on_cpu()
