@@ -2,7 +2,7 @@
 under its own layout map, compiled with Adam and fit on a few tokens: the
 script `docs/plan.md` plans with `ktd plan --world N`.
 
-    ktd plan --world 64 --json plan.json examples/plan_keras_hub.py llama3_8b fsdp
+    ktd plan --world 64 examples/plan_keras_hub.py llama3_8b fsdp
 
 MODEL: llama3_8b | gemma2_9b | qwen1.5_moe_a2.7b
 LAYOUT: fsdp (mesh (N, 1): every weight sharded on the batch axis),

@@ -10,8 +10,8 @@ USAGE = """usage:
   ktd env                                         versions, devices, settings, and the
                                                   job initialize() would join here
   ktd report CHECKPOINT                           each variable's shards in a checkpoint
-  ktd plan --world N [--json PATH] SCRIPT [ARGS]  per-rank memory and collectives of
-                                                  SCRIPT at N processes, simulated here
+  ktd plan --world N [--json PATH] SCRIPT [ARGS]  per-rank memory, collectives
+                                                  of SCRIPT at N, simulated
 """
 
 

@@ -30,7 +30,6 @@ import torch
 from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import layouts
 
-
 # (global shape, id of the mesh, placements, rank) -> elements: variables
 # of one shape and layout (a model's blocks) are computed once per rank.
 _blocks = {}
