@@ -1,4 +1,5 @@
-"""The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`."""
+"""The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`, `ktd
+report`, `ktd plan`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ USAGE = (
     " job initialize() would join here\n"
     "  ktd report CHECKPOINT                          "
     " each variable's shards in a checkpoint\n"
+    "  ktd plan --world N [--json PATH] SCRIPT [ARGS] "
+    " per-rank memory, collectives\n"
+    "                                                 "
+    " of SCRIPT at N, simulated\n"
 )
 
 
@@ -97,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if command == "env":
         return print_env()
+    if command == "plan":
+        from keras_torch_distribution.plan import command as plan_command
+
+        return plan_command.main(rest)
     if command == "report":
         if len(rest) != 1:
             print(

@@ -41,6 +41,7 @@ LAYERS = [
     "_install",  # the patch table
     "__init__",
     "launch.__main__",  # what each launched process runs
+    "plan",  # ktd plan: a simulated world of N on one CPU
     "cli",
     "__main__",
     "testing",
