@@ -21,6 +21,7 @@ import pytest
 
 from helpers import ROOT
 from helpers import finish
+from keras_torch_distribution.testing import ProcessGroupPool
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "plan_train.py")
 KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
@@ -159,13 +160,17 @@ def _by_rank(plan):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,model,layout", CASES)
-def test_plan_equals_a_real_run(world, model, layout, request):
+def test_plan_equals_a_real_run(world, model, layout):
     if model == "llama":
         pytest.importorskip("keras_hub")
     plan = _plan(world, model, layout)
     assert plan["step_simulated"], plan["no_step_reason"]
-    pool = request.getfixturevalue(f"pool{world}")
-    real = pool.run(_real, SCRIPT, [model, layout])
+    # Fresh processes, as the plan's own: a shared pool's ranks keep what
+    # earlier cases left (sharded variables seen, which keeps a
+    # DataParallel step off the overlapped all-reduce; FSDP's recorded
+    # orders), and their counts would differ from a new job's.
+    with ProcessGroupPool(world, timeout=180) as pool:
+        real = pool.run(_real, SCRIPT, [model, layout])
     planned = _by_rank(plan)
     for rank, measured in enumerate(real):
         for key in KEYS:
