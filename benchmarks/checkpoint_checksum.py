@@ -1,6 +1,7 @@
 """What checksums cost: sharded checkpoint save and load times with and without.
 
-    python benchmarks/checkpoint_checksum.py [--width 2048] [--layers 6] [--repeats 7]
+    python benchmarks/checkpoint_checksum.py [--width 2048] [--layers 6]
+                                             [--repeats 7]
 
 Model: Input(width) -> `layers` Dense(width), float32, no optimizer
 (6 x 2048: 96 MiB of weights), kernels column / row sharded alternately on
@@ -172,10 +173,12 @@ def main():
                 "width": args.width,
                 "full_model_bytes": full,
             },
-            "measure": "wall time of checkpoint.save / checkpoint.load, the slower "
-            "rank's, median of the repeats; 'without' = "
-            "_dcp.CHECKSUMS_ON_SAVE False (nothing recorded, so "
-            "nothing verified on load)",
+            "measure": (
+                "wall time of checkpoint.save / checkpoint.load, the slower "
+                "rank's, median of the repeats; 'without' = "
+                "_dcp.CHECKSUMS_ON_SAVE False (nothing recorded, so nothing "
+                "verified on load)"
+            ),
             "median_s": medians,
             "save_ratio_with_over_without": save_ratio,
             "load_ratio_with_over_without": load_ratio,

@@ -164,7 +164,8 @@ def main():
                 f"{r['local_weight_bytes'] / 2**20:>10.1f} {r['seconds']:>6.2f}"
             )
     print(
-        f"files: { {k: round(v / 2**20, 1) for k, v in file_bytes.items()} } MiB"
+        f"files: { {k: round(v / 2**20, 1) for k, v in file_bytes.items()} } "
+        "MiB"
     )
     print(
         f"worst peak ratio {worst:.3f} (target <= {target:.3f}: half the model "
@@ -184,9 +185,11 @@ def main():
                 "width": args.width,
                 "full_model_bytes": full,
             },
-            "measure": "per rank: (peak RSS, psutil sampled every 0.5 ms, during "
-            "creation + save/load) - (RSS before creation), over full "
-            "model bytes; transient: peak - RSS just before save/load",
+            "measure": (
+                "per rank: (peak RSS, psutil sampled every 0.5 ms, during "
+                "creation + save/load) - (RSS before creation), over full "
+                "model bytes; transient: peak - RSS just before save/load"
+            ),
             "target_ratio": target,
             "worst_ratio": worst,
             "meets_target": worst <= target,

@@ -1,7 +1,8 @@
 """Eager vs torch.compile'd step time under DataParallel / ModelParallel,
 and against raw PyTorch (DDP, parallelize_module tensor parallelism).
 
-    python benchmarks/compile.py [--steps 20] [--warmup 5] [--repeats 1] [--quick]
+    python benchmarks/compile.py [--steps 20] [--warmup 5] [--repeats 1]
+                                 [--quick]
 
 Every case runs in fresh processes (torchrun, gloo, CPU, OMP_NUM_THREADS=1):
   keras_{dp,mp}_{mlp,block}_{eager,compiled}
@@ -425,13 +426,15 @@ def main():
     print("\nmedian step (ms), slower rank, median over rounds:")
     for case in ms:
         print(
-            f"  {case:28} {ms[case]:9.2f}   rounds {[round(m, 1) for m in rounds_ms[case]]}"
+            f"  {case:28} {ms[case]:9.2f}   rounds "
+            f"{[round(m, 1) for m in rounds_ms[case]]}"
         )
     print("\nratios:")
     for name, value in ratios.items():
         print(f"  {name:42} {value}")
     print(
-        "\ncompile (rank 0): graphs / graph breaks / compiled frames / first step ms"
+        "\ncompile (rank 0): graphs / graph breaks / compiled frames / first "
+        "step ms"
     )
     for case, rep in compile_report.items():
         print(

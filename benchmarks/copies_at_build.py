@@ -169,12 +169,15 @@ def main():
         entry["build_2p_over_1p"] = entry["build_2p_s"] / entry["build_1p_s"]
         results["models"][name] = entry
         print(
-            f"{name}: {entry['params']} params; build 2p {entry['build_2p_s'] * 1e3:.1f} ms "
-            f"(equalize {entry['equalize_s'] * 1e3:.1f} ms in "
-            f"{entry['broadcasting_builds']} builds), 1p {entry['build_1p_s'] * 1e3:.1f} ms; "
-            f"torch build {entry['torch_build_s'] * 1e3:.1f} ms, DDP wrap "
+            f"{name}: {entry['params']} params; build 2p "
+            f"{entry['build_2p_s'] * 1e3:.1f} ms (equalize "
+            f"{entry['equalize_s'] * 1e3:.1f} ms in "
+            f"{entry['broadcasting_builds']} builds), 1p "
+            f"{entry['build_1p_s'] * 1e3:.1f} ms; torch build "
+            f"{entry['torch_build_s'] * 1e3:.1f} ms, DDP wrap "
             f"{entry['ddp_wrap_s'] * 1e3:.1f} ms; equalize/DDP wrap "
-            f"{entry['equalize_over_ddp_wrap']:.2f}, build 2p/1p {entry['build_2p_over_1p']:.2f}"
+            f"{entry['equalize_over_ddp_wrap']:.2f}, build 2p/1p "
+            f"{entry['build_2p_over_1p']:.2f}"
         )
     _launch.save("copies_at_build", results)
 

@@ -306,9 +306,11 @@ def main():
             "width": args.width,
             "full_model_bytes": full,
         },
-        "measure": "per rank: (peak RSS, psutil sampled every 0.5 ms) - (RSS just "
-        "before creation), over full model bytes; ratio_maxrss uses "
-        "ru_maxrss instead of the sampled peak",
+        "measure": (
+            "per rank: (peak RSS, psutil sampled every 0.5 ms) - (RSS just "
+            "before creation), over full model bytes; ratio_maxrss uses "
+            "ru_maxrss instead of the sampled peak"
+        ),
         "target_ratio_ours": TARGET,
         "ratio_ours": ours,
         "ratio_naive": naive,
@@ -325,11 +327,12 @@ def main():
     for config, cases in runs.items():
         for case, ranks in cases.items():
             for r in ranks:
+                rss_growth = r["rss_after_bytes"] - r["baseline_rss_bytes"]
                 print(
                     f"{config:20} {case:18} {r['rank']:>4} "
                     f"{r['peak_minus_baseline_bytes'] / 2**20:>14.1f} "
                     f"{r['ratio_sampled']:>15.3f} {r['ratio_maxrss']:>14.3f} "
-                    f"{(r['rss_after_bytes'] - r['baseline_rss_bytes']) / 2**20:>10.1f} "
+                    f"{rss_growth / 2**20:>10.1f} "
                     f"{r['local_weight_bytes'] / 2**20:>10.1f} "
                     f"{r['creation_seconds']:>6.2f}"
                 )

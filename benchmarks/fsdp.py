@@ -75,11 +75,11 @@ Every case is launched in two kinds of fresh processes; per rank:
 interleaved; `--memory-rounds` (in the first rounds) of memory launches. A
 launch's figure is the worse rank's, a case's the median over rounds.
 Ratios are keras / torch. Targets (issue 18): collectives per step at
-most FSDP2's, step time and peak memory at most 1.05x FSDP2's. `--profile`: 5 more steps after the timed
-ones under torch.profiler or cProfile, rank 0's table written to
-results/fsdp_profile_<case>_<how>.txt (torch: sorted by BENCH_PROFILE_SORT,
-default cpu_time_total, e.g. self_cpu_time_total; cProfile: also the raw
-stats in results/fsdp_profile_<case>.pstats, and the callers of the
+most FSDP2's, step time and peak memory at most 1.05x FSDP2's. `--profile`: 5
+more steps after the timed ones under torch.profiler or cProfile, rank 0's table
+written to results/fsdp_profile_<case>_<how>.txt (torch: sorted by
+BENCH_PROFILE_SORT, default cpu_time_total, e.g. self_cpu_time_total; cProfile:
+also the raw stats in results/fsdp_profile_<case>.pstats, and the callers of the
 functions matching the regex BENCH_PROFILE_CALLERS when set).
 Results: benchmarks/results/fsdp.json.
 """
@@ -656,9 +656,10 @@ def main():
         print(
             f"  {case:20} {fmt(m['step_ms']):>8} | {fmt(m['cpu_ms']):>7} | "
             f"{fmt(m['peak_mib']):>6} | {fmt(m['hwm_mib']):>6} | "
-            f"{fmt(m['state_mib'], 2):>6} | {fmt(m['step_ms_mmap_allocator']):>7}"
-            f"   rounds ms {[round(f['step_ms'], 1) for f in figures[case]['time']]}"
-            f" load {[f['loadavg'] for f in figures[case]['time']]}"
+            f"{fmt(m['state_mib'], 2):>6} | "
+            f"{fmt(m['step_ms_mmap_allocator']):>7}   rounds ms "
+            f"{[round(f['step_ms'], 1) for f in figures[case]['time']]} load "
+            f"{[f['loadavg'] for f in figures[case]['time']]}"
         )
     print("\nkeras / torch:")
     for model_kind, r in ratios.items():

@@ -169,7 +169,10 @@ def main(argv=None):
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="a torch profile of 3 more steps of the keras and ktd_dp speed modes",
+        help=(
+            "a torch profile of 3 more steps of the keras and ktd_dp speed "
+            "modes"
+        ),
     )
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument(
@@ -316,7 +319,6 @@ def compare_fits(plain, package):
 
 
 def _run_speed(name):
-    timeout = SECTIONS[name][1]
     modes = list(SPEED_MODES)
     try:
         import jax  # noqa: F401
@@ -426,7 +428,8 @@ def summarize(report):
         line = f"  {name:12} {result['status']:8} {result['seconds']:7.1f} s"
         if name in ("fit_mlp", "fit_llama") and "comparisons" in result:
             worst = [c for c in result["comparisons"] if not c["ok"]]
-            line += f"  {len(result['comparisons']) - len(worst)}/{len(result['comparisons'])} fits match plain Keras"
+            total = len(result["comparisons"])
+            line += f"  {total - len(worst)}/{total} fits match plain Keras"
             for c in worst:
                 line += (
                     f"\n      {c['fit']} {c['precision']} jit={c['jit']}: "
@@ -442,26 +445,33 @@ def summarize(report):
                     line += f"\n      {run['name']:24} failed"
                     continue
                 line += (
-                    f"\n      {run['name']:24} peak {run['peak_mib']:8.1f} MiB, "
-                    f"expected {run['expected_mib']:8.1f} MiB"
+                    f"\n      {run['name']:24} peak {run['peak_mib']:8.1f} "
+                    f"MiB, expected {run['expected_mib']:8.1f} MiB"
                 )
                 for row in run.get("peak_above_start", {}).get("by_origin", [])[
                     :6
                 ]:
-                    line += f"\n          {row['mib']:7.1f} MiB stream {row['stream']} {row['where']}"
+                    line += (
+                        f"\n          {row['mib']:7.1f} MiB stream "
+                        f"{row['stream']} {row['where']}"
+                    )
         elif name == "speed":
             for mode, run in result["modes"].items():
                 if run.get("status") == "ok":
                     line += (
                         f"\n      {mode:10} {run['step_ms']:8.1f} ms/step "
-                        f"{run['tokens_per_s']:10.0f} tok/s  MFU {run.get('mfu', 0):.3f}  "
-                        f"peak {run['peak_mib']:.0f} MiB"
+                        f"{run['tokens_per_s']:10.0f} tok/s  MFU "
+                        f"{run.get('mfu', 0):.3f}  peak {run['peak_mib']:.0f} "
+                        "MiB"
                     )
                 else:
                     line += f"\n      {mode:10} {run.get('status')}"
         elif name == "attention" and result["status"] in ("ok", "mismatch"):
             for row in result["kernels"]:
-                line += f"\n      {row['kernel']:10} {row.get('max_abs_difference', row.get('error'))}"
+                line += (
+                    f"\n      {row['kernel']:10} "
+                    f"{row.get('max_abs_difference', row.get('error'))}"
+                )
         elif name == "checkpoint" and result["status"] == "ok":
             line += "  " + ", ".join(
                 f"{k} {v}"

@@ -189,8 +189,9 @@ def main():
         ratio = ""
         if base and mode != "torch":
             ratio = (
-                f"  / torch: wall {wall / statistics.median(r['wall_ms'] for r in base):.2f}"
-                f" cpu {cpu / statistics.median(r['cpu_ms'] for r in base):.2f}"
+                "  / torch: wall "
+                f"{wall / statistics.median(r['wall_ms'] for r in base):.2f} "
+                f"cpu {cpu / statistics.median(r['cpu_ms'] for r in base):.2f}"
             )
         print(f"{mode:10s} wall {wall:7.1f} ms  cpu {cpu:7.1f} ms{ratio}")
 

@@ -263,12 +263,15 @@ def main():
     }
     for case, ms in step_ms.items():
         m = memory[case]
+        optimizer_state_mib = [
+            round(b / 2**20, 2) for b in m["optimizer_state_bytes_per_rank"]
+        ]
         print(
             f"  {case:9} median step {ms:8.2f} ms   params/rank "
             f"{[round(b / 2**20, 2) for b in m['param_bytes_per_rank']]} MiB   "
-            f"optimizer state/rank "
-            f"{[round(b / 2**20, 2) for b in m['optimizer_state_bytes_per_rank']]} MiB"
-            f"   (full params {m['full_param_bytes'] / 2**20:.2f} MiB)"
+            "optimizer state/rank "
+            f"{optimizer_state_mib} "
+            f"MiB   (full params {m['full_param_bytes'] / 2**20:.2f} MiB)"
         )
     for name, value in ratios.items():
         print(f"  {name:46} {value:.3f}")

@@ -1,7 +1,8 @@
 """What one device's numbers cost: the BatchNorm all-reduce and the dropout
 slicing per step, and the start-of-training broadcast once.
 
-    python benchmarks/one_device_numbers.py [--steps 20] [--warmup 3] [--repeats 3]
+    python benchmarks/one_device_numbers.py [--steps 20] [--warmup 3]
+                                            [--repeats 3]
 
 Cases, each on 2 torchrun processes under DataParallel (global batch split
 in two), OMP_NUM_THREADS=1 per process:
@@ -301,10 +302,13 @@ def main():
             },
         }
         print(
-            f"{case}: step {feature:.2f} ms vs {without:.2f} ms without "
-            f"({feature / without:.3f}x); 3 layers cost {3 * layer_cost:.2f} ms "
-            f"per step ({1 + 3 * layer_cost / without:.3f}x); broadcast once "
-            f"{broadcast:.2f} ms",
+            (
+                f"{case}: step {feature:.2f} ms vs {without:.2f} ms without "
+                f"({feature / without:.3f}x); 3 layers cost "
+                f"{3 * layer_cost:.2f} ms per step "
+                f"({1 + 3 * layer_cost / without:.3f}x); broadcast once "
+                f"{broadcast:.2f} ms"
+            ),
             flush=True,
         )
     payload = {

@@ -49,7 +49,7 @@ around each gradient reduce-scatter (the package's internals, wrapped).
 
 Targets (issue 18): every rank's peak <= 0.35 of the training state with
 either allocator, within 10% of FSDP2's. Results:
-benchmarks/results/scale.json (numbers in benchmarks/README.md).
+benchmarks/results/scale.json (numbers in benchmarks/reports/).
 """
 
 import argparse
@@ -134,7 +134,8 @@ class Sampler:
         self._stop = threading.Event()
         self.phase_peak = 0
         self.mark_peak = 0
-        self.marks = []  # (label, peak RSS since the previous mark, RSS now, _heap())
+        # (label, peak RSS since the previous mark, RSS now, _heap())
+        self.marks = []
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -1072,8 +1073,8 @@ def main():
             )
             entry["keras_over_fsdp2_worst_peak"] = round(k_worst / t_worst, 3)
             print(
-                f"  {allocator:8} keras / FSDP2 worst peak: {k_worst / t_worst:.3f} "
-                f"(target <= {TARGET_OF_FSDP2})"
+                f"  {allocator:8} keras / FSDP2 worst peak: "
+                f"{k_worst / t_worst:.3f} (target <= {TARGET_OF_FSDP2})"
             )
         payload["by_allocator"][allocator] = entry
     payload["ranks"] = runs

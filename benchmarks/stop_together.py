@@ -133,9 +133,10 @@ def main():
         result["with_step_s"] / result["without_step_s"]
     )
     print(
-        f"fit step with StopTogether {result['with_step_s'] * 1e3:.2f} ms, without "
-        f"{result['without_step_s'] * 1e3:.2f} ms: ratio {result['with_over_without']:.3f}; "
-        f"raw flag all-reduce {result['raw_flag_all_reduce_s'] * 1e3:.3f} ms"
+        f"fit step with StopTogether {result['with_step_s'] * 1e3:.2f} ms, "
+        f"without {result['without_step_s'] * 1e3:.2f} ms: ratio "
+        f"{result['with_over_without']:.3f}; raw flag all-reduce "
+        f"{result['raw_flag_all_reduce_s'] * 1e3:.3f} ms"
     )
     _launch.save("stop_together", result)
 

@@ -66,5 +66,6 @@ predictions = model.predict(
     x_test, batch_size=256, verbose=0
 )  # every row, every rank
 say(
-    f"test loss {loss:.4f} accuracy {accuracy:.4f} predictions {predictions.shape}"
+    f"test loss {loss:.4f} accuracy {accuracy:.4f} predictions "
+    f"{predictions.shape}"
 )

@@ -22,8 +22,9 @@ keras.distribution.initialize()
 devices = keras.distribution.list_devices()
 if len(devices) % 2:
     raise SystemExit(
-        f"hybrid_2d_mesh.py needs an even number of processes (got "
-        f"{len(devices)}): run it with `ktd run -n 4 examples/hybrid_2d_mesh.py`."
+        "hybrid_2d_mesh.py needs an even number of processes (got "
+        f"{len(devices)}): run it with `ktd run -n 4 "
+        "examples/hybrid_2d_mesh.py`."
     )
 mesh = keras.distribution.DeviceMesh(
     (len(devices) // 2, 2), ["batch", "model"], devices
@@ -59,7 +60,8 @@ model = keras.Sequential(
 model.compile(keras.optimizers.Adam(1e-3), "mse")
 history = model.fit(x, y, batch_size=128, epochs=3, verbose=0)
 say(
-    f"mesh {dict(zip(mesh.axis_names, mesh.shape))} over {len(devices)} processes"
+    f"mesh {dict(zip(mesh.axis_names, mesh.shape))} over {len(devices)} "
+    "processes"
 )
 say("loss per epoch:", [round(v, 5) for v in history.history["loss"]])
 ktd.report(model, print_fn=say)  # collective: every rank calls it

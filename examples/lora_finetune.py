@@ -39,8 +39,9 @@ keras.distribution.initialize()
 devices = keras.distribution.list_devices()
 if len(devices) % 2:
     raise SystemExit(
-        f"lora_finetune.py needs an even number of processes (got {len(devices)}): "
-        "run it with `ktd run -n 4 examples/lora_finetune.py`."
+        "lora_finetune.py needs an even number of processes (got "
+        f"{len(devices)}): run it with `ktd run -n 4 "
+        "examples/lora_finetune.py`."
     )
 mesh = keras.distribution.DeviceMesh(
     (len(devices) // 2, 2), ["batch", "model"], devices

@@ -63,7 +63,8 @@ def finish(process, timeout):
         os.killpg(process.pid, signal.SIGKILL)  # the session the test started
         stdout, stderr = process.communicate()
         raise AssertionError(
-            f"{process.args} did not finish within {timeout} s:\n{stdout[-2000:]}\n"
+            f"{process.args} did not finish within {timeout} s:\n"
+            f"{stdout[-2000:]}\n"
             f"{stderr[-3000:]}"
         ) from None
     return subprocess.CompletedProcess(
@@ -195,7 +196,8 @@ def checkpoint_model(width=16, last="row"):
 
 
 def distribute(rules, mesh_shape=None, axis_names=("model",)):
-    """Set ModelParallel with {pattern: axes} `rules` (None: no distribution)."""
+    """Set ModelParallel with {pattern: axes} `rules` (None: no
+    distribution)."""
     import keras
 
     if rules is None:

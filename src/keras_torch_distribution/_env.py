@@ -67,9 +67,9 @@ def forces_cpu():
     text = os.environ.get("KTD_DEVICE", "")
     if text.lower() not in ("", "cpu", "gpu", "cuda"):
         raise ValueError(
-            f"KTD_DEVICE={text!r} is not a device choice: set KTD_DEVICE=cpu to "
-            "run on CPU processes (gloo) even where CUDA exists; unset it (or "
-            "set gpu) to use CUDA when it is available."
+            f"KTD_DEVICE={text!r} is not a device choice: set KTD_DEVICE=cpu "
+            "to run on CPU processes (gloo) even where CUDA exists; unset it "
+            "(or set gpu) to use CUDA when it is available."
         )
     return text.lower() == "cpu"
 

@@ -14,12 +14,13 @@ import warnings
 import keras
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import checkpoint
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import saving
 from keras_torch_distribution.batch import adapter
 from keras_torch_distribution.batch import random_slices
 from keras_torch_distribution.batch import sync_batch_norm
+from keras_torch_distribution.checkpoint import _dcp
+from keras_torch_distribution.checkpoint import callbacks
 from keras_torch_distribution.distributed import keras_ops
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
@@ -65,9 +66,10 @@ def _patch_table():
     Two changes sit outside this table, both undone by `uninstall()` too:
     `distributed.sharding_rules.register()` adds DTensor rules to torch's
     own tables (`DTensor._op_dispatcher`; clearing
-    `sharding_rules.registration` puts torch's back), and `_keras.initializers_drawing_from` swaps Keras'
-    initializers' random module inside one `with` block while a sharded
-    variable is initialised (`variables.sharded_init`).
+    `sharding_rules.registration` puts torch's back), and
+    `_keras.initializers_drawing_from` swaps Keras' initializers' random
+    module inside one `with` block while a sharded variable is initialised
+    (`variables.sharded_init`).
     """
     k = _keras
     return [
@@ -191,7 +193,8 @@ def _patch_table():
             adapter.get_data_adapter,
             wrap=True,
         ),
-        # Training: gradients averaged over replicas, metrics summed, Adam in place.
+        # Training: gradients averaged over replicas, metrics summed, Adam in
+        # place.
         Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
         Patch(
             k.TorchAdam,
@@ -216,15 +219,15 @@ def _patch_table():
             )
         ],
         Patch(
-            k.BackupAndRestore, "_save_model", checkpoint.backup_save, wrap=True
+            k.BackupAndRestore, "_save_model", callbacks.backup_save, wrap=True
         ),
         Patch(
-            k.BackupAndRestore, "_load_model", checkpoint.backup_load, wrap=True
+            k.BackupAndRestore, "_load_model", callbacks.backup_load, wrap=True
         ),
         Patch(
             k.BackupAndRestore,
             "on_train_end",
-            checkpoint.backup_train_end,
+            callbacks.backup_train_end,
             wrap=True,
         ),
         *_native_distribution_off(k),
@@ -372,11 +375,11 @@ def exit_sequence():
 
     Collective: every rank exits through it.
     """
-    checkpoint.complete_at_exit()
+    _dcp.complete_at_exit()
     runtime.shutdown()
     if not runtime.is_initialized():  # the meshes' groups are dead now
         layouts.torch_meshes.release_process_groups()
-    checkpoint.forget_process_groups()
+    _dcp.forget_process_groups()
     for state in _state_objects():
         state.clear()
     gc.collect()
@@ -404,8 +407,10 @@ def _state_objects():
     per-model caches, then the mesh caches they were built on."""
     return (
         sharding_rules.registration,  # torch's own rules and handlers back
-        born_sharded.state,  # implicit replication off; no sharded variables seen
-        gradients.optimizer_sync,  # overlapped reducers and their gradient hooks
+        # implicit replication off; no sharded variables seen
+        born_sharded.state,
+        # overlapped reducers and their gradient hooks
+        gradients.optimizer_sync,
         metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,
         boundary.active_forward,

@@ -199,6 +199,15 @@ def set_variable_layout(variable, layout):
     variable._layout = layout
 
 
+def swap_variable_initializer_call(function):
+    """Make `function(variable, initializer)` what a torch Variable calls
+    to initialise itself from an initializer (`ktd plan`'s unwritten
+    variables); returns the function it replaces, to be swapped back."""
+    previous = TorchVariable.__dict__["_initialize_with_initializer"]
+    TorchVariable._initialize_with_initializer = function
+    return previous
+
+
 def stored_shape(variable):
     return tuple(variable._shape)
 

@@ -1,18 +1,36 @@
-"""The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`."""
+"""The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`, `ktd
+report`, `ktd plan`."""
+
+from __future__ import annotations
 
 import os
 import platform
 import sys
+from typing import TYPE_CHECKING
 
-USAGE = """usage:
-  ktd run -n N [torchrun options] SCRIPT [ARGS]   run SCRIPT on N processes
-  ktd env                                         versions, devices, settings, and the
-                                                  job initialize() would join here
-  ktd report CHECKPOINT                           each variable's shards in a checkpoint
-"""
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+USAGE = (
+    "usage:\n"
+    "  ktd run -n N [torchrun options] SCRIPT [ARGS]"
+    "   run SCRIPT on N processes\n"
+    "  ktd env                                        "
+    " versions, devices, settings, and the\n"
+    "                                                 "
+    " job initialize() would join here\n"
+    "  ktd report CHECKPOINT                          "
+    " each variable's shards in a checkpoint\n"
+    "  ktd plan --world N [--json PATH] SCRIPT [ARGS] "
+    " per-rank memory, collectives\n"
+    "                                                 "
+    " of SCRIPT at N, simulated\n"
+)
 
 
-def print_env():
+def print_env() -> int:
+    """Print the versions, devices and settings, then what initialize()
+    would do here (`print_launch`); its exit status."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
     import keras
     import torch
@@ -52,7 +70,7 @@ def print_env():
     return print_launch()
 
 
-def print_launch():
+def print_launch() -> int:
     """What keras.distribution.initialize() would do in this process (which
     launcher, address, port, world, rank, local rank), starting nothing.
     1 when the environment is incomplete (the error is printed)."""
@@ -69,7 +87,9 @@ def print_launch():
     return 0
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `ktd` command on `argv` (default: `sys.argv[1:]`); its exit
+    status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -82,6 +102,10 @@ def main(argv=None):
         return 0
     if command == "env":
         return print_env()
+    if command == "plan":
+        from keras_torch_distribution.plan import command as plan_command
+
+        return plan_command.main(rest)
     if command == "report":
         if len(rest) != 1:
             print(

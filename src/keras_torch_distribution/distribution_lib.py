@@ -5,6 +5,10 @@ front end bound at import) by `keras_torch_distribution.install()`; see
 `_keras`, the only module that touches Keras internals.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -14,6 +18,12 @@ from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import seeds
 from keras_torch_distribution.distributed import tensors
 
+if TYPE_CHECKING:
+    import numpy as np
+    from keras.distribution import DeviceMesh
+    from keras.distribution import TensorLayout
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
 list_devices = runtime.list_devices
 get_device_count = runtime.get_device_count
 num_processes = runtime.num_processes
@@ -21,10 +31,25 @@ process_id = runtime.process_id
 initialize_rng = seeds.initialize_rng
 
 
-def initialize(job_addresses=None, num_processes=None, process_id=None):
+def initialize(
+    job_addresses: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
     """Start torch.distributed (gloo on CPU, NCCL on CUDA). Idempotent.
 
     Collective: call on every rank.
+
+    Args:
+        job_addresses: process 0's address, `"host:port"` (or a
+            comma-separated list of every process's, whose first is
+            process 0's), or a torch init method such as
+            `"file:///shared/rendezvous"`. `None` reads it from the
+            launcher's environment (see `runtime.initialize`).
+        num_processes: the number of processes of the job. `None` reads it
+            from the launcher's environment.
+        process_id: this process's rank in `[0, num_processes)`. `None`
+            reads it from the launcher's environment.
     """
     runtime.initialize(job_addresses, num_processes, process_id)
 
@@ -39,25 +64,51 @@ def check_distribution(
     axis_names = list(device_mesh.axis_names)
     if batch_dim_name is not None and batch_dim_name not in axis_names:
         raise ValueError(
-            f"{type(distribution).__name__}(batch_dim_name={batch_dim_name!r}): "
+            f"{type(distribution).__name__}"
+            f"(batch_dim_name={batch_dim_name!r}): "
             f"the mesh has no axis {batch_dim_name!r}; its axes are "
-            f"{axis_names}. Pass batch_dim_name= one of them (the data-parallel "
-            "axis), or name that axis so in the DeviceMesh."
+            f"{axis_names}. Pass batch_dim_name= one of them (the "
+            "data-parallel axis), or name that axis so in the DeviceMesh."
         )
     if runtime.is_initialized():
         layouts.check_mesh(device_mesh, runtime.num_processes())
     return original(distribution, device_mesh, batch_dim_name, *args, **kwargs)
 
 
-def _to_backend_mesh(device_mesh):
+def _to_backend_mesh(device_mesh: DeviceMesh) -> TorchDeviceMesh:
+    """Convert the DeviceMesh to the torch DeviceMesh of its configuration.
+
+    Built once per configuration (shape, axis names, devices). Collective
+    the first time a configuration is seen: call on every rank.
+
+    Args:
+        device_mesh: `keras.distribution.DeviceMesh` instance to convert.
+
+    Returns:
+        A `torch.distributed.device_mesh.DeviceMesh` instance.
+    """
     return layouts.to_torch_mesh(device_mesh)
 
 
-def _to_backend_layout(tensor_layout):
+def _to_backend_layout(tensor_layout: TensorLayout) -> layouts.TorchLayout:
+    """Convert the TensorLayout to its torch mesh and DTensor placements.
+
+    Collective the first time its mesh is seen: call on every rank.
+
+    Args:
+        tensor_layout: `keras.distribution.TensorLayout` instance to
+            convert; it must have a device mesh.
+
+    Returns:
+        A `layouts.TorchLayout`: the torch mesh and one placement per mesh
+        axis.
+    """
     return layouts.to_torch_layout(tensor_layout)
 
 
-def distribute_tensor(tensor, layout):
+def distribute_tensor(
+    tensor: torch.Tensor, layout: TensorLayout | layouts.TorchLayout
+) -> torch.Tensor:
     """A DTensor of `layout` holding `tensor`.
 
     A plain tensor is taken as the full value (the same on every rank); each
@@ -72,6 +123,16 @@ def distribute_tensor(tensor, layout):
     on the other mesh axes; a dim the layout puts on the batch axis stays
     whole (layouts never change numbers), and a tensor the rest of the
     layout does not shard is returned as it is, or made whole.
+
+    Args:
+        tensor: `torch.Tensor` (or DTensor) to distribute.
+        layout: `TensorLayout` for the distribution information, or a
+            `layouts.TorchLayout` instance.
+
+    Returns:
+        The distributed value: a DTensor of `layout`, or, inside a layer
+        call, a plain tensor where the layout shards nothing but the batch
+        axis.
     """
     scope = _keras.current_name_scope()
     what = "the tensor"
@@ -92,14 +153,31 @@ def distribute_tensor(tensor, layout):
     return tensors.to_layout(tensor, torch_layout, what)
 
 
-def distribute_variable(value, layout):
-    """A `torch.nn.Parameter` holding `value` distributed with `layout`."""
+def distribute_variable(
+    value: torch.Tensor, layout: TensorLayout | layouts.TorchLayout
+) -> torch.nn.Parameter:
+    """A `torch.nn.Parameter` holding `value` distributed with `layout`.
+
+    Args:
+        value: the initial value of the variable: a `torch.Tensor` (or
+            DTensor) holding the full value, the same on every rank.
+        layout: `TensorLayout` for the created variable, or a
+            `layouts.TorchLayout` instance.
+
+    Returns:
+        A `torch.nn.Parameter` wrapping a DTensor of `layout`, which
+        requires grad when `value` is floating point or complex.
+    """
     value = tensors.to_layout(value, _resolve(layout))
     requires_grad = value.is_floating_point() or value.is_complex()
     return torch.nn.Parameter(value, requires_grad=requires_grad)
 
 
-def distribute_data_input(per_process_batch, layout, batch_dim_name=None):
+def distribute_data_input(
+    per_process_batch: torch.Tensor | np.ndarray | None,
+    layout: TensorLayout | layouts.TorchLayout,
+    batch_dim_name: str | None = None,
+) -> torch.Tensor | None:
     """This process's rows of the global batch, as a plain tensor (None
     stays None: Keras 3.16's torch trainer calls this with 2 arguments on
     every leaf of a batch, an absent sample weight included).
@@ -109,6 +187,17 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name=None):
     local tensors. A plain `per_process_batch` already is those rows; a
     DTensor (a global batch) gives this process's block of it under
     `layout`. Collective for DTensors: call on every rank.
+
+    Args:
+        per_process_batch: this process's rows (a `torch.Tensor` or numpy
+            array), or the global batch as a DTensor.
+        layout: `TensorLayout` for the distribution information, or a
+            `layouts.TorchLayout` instance.
+        batch_dim_name: the name of the batch axis of the mesh (unused:
+            the layout's axes name it).
+
+    Returns:
+        This process's rows of the global batch, as a plain `torch.Tensor`.
     """
     del batch_dim_name  # the layout's axes name it
     if per_process_batch is None:
@@ -119,7 +208,9 @@ def distribute_data_input(per_process_batch, layout, batch_dim_name=None):
     return batch
 
 
-def _resolve(layout):
+def _resolve(
+    layout: TensorLayout | layouts.TorchLayout,
+) -> layouts.TorchLayout:
     if isinstance(layout, layouts.TorchLayout):
         return layout
     if layout is None or not hasattr(layout, "axes"):

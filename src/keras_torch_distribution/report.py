@@ -9,6 +9,11 @@ checkpoint package (`checkpoint.inspect`); its two functions are importable
 from here too.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from typing import Any
+
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
@@ -20,8 +25,13 @@ from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.log import logger
 from keras_torch_distribution.variables import left_whole
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
-def _rows_for(variable):
+    import keras
+
+
+def _rows_for(variable: keras.Variable) -> dict[str, Any]:
     value = _keras.raw_value(variable)
     local = tensors.local_part(value)
     layout = layouts.resolved_layout(variable)
@@ -35,7 +45,7 @@ def _rows_for(variable):
     }
 
 
-def shard_table(model):
+def shard_table(model: keras.Model) -> list[dict[str, Any]]:
     """Per-variable rows for this rank: path, global shape, layout, local
     shape and bytes; optimizer variables are included when built."""
     whole = {
@@ -63,11 +73,21 @@ def shard_table(model):
     return rows
 
 
-def report(model, print_fn=None):
+def report(
+    model: keras.Model, print_fn: Callable[[str], object] | None = None
+) -> list[list[dict[str, Any]]]:
     """Show each variable's layout and per-rank bytes; rank 0 prints.
 
     Returns every rank's table: a list (one per rank) of row lists.
     Collective: call on every rank.
+
+    Args:
+        model: the built `keras.Model` to report on.
+        print_fn: what rank 0 prints the report with (default: the
+            package logger's `warning`).
+
+    Returns:
+        Every rank's rows (`shard_table`), in rank order.
     """
     rows = shard_table(model)
     tables = [rows]
@@ -79,7 +99,8 @@ def report(model, print_fn=None):
     return tables
 
 
-def format_report(tables):
+def format_report(tables: list[list[dict[str, Any]]]) -> str:
+    """The text `report` prints for every rank's rows."""
     ranks = len(tables)
     header = f"{'variable':40} {'global shape':>16} {'layout':>18} " + " ".join(
         f"{'rank ' + str(r) + ' shape':>16}" for r in range(ranks)

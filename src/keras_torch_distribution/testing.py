@@ -15,6 +15,8 @@ machine (a `env` that drops KTD_DEVICE / CUDA_VISIBLE_DEVICES) each then
 computes on its own GPU.
 """
 
+from __future__ import annotations
+
 import contextlib
 import multiprocessing
 import os
@@ -22,8 +24,15 @@ import shutil
 import tempfile
 import time
 import traceback
+from typing import TYPE_CHECKING
+from typing import Any
 
 from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from collections.abc import Iterator
+    from collections.abc import Mapping
 
 WORKER_ENV = {
     "KERAS_BACKEND": "torch",
@@ -38,14 +47,14 @@ WORKER_ENV = {
 class WorkerError(RuntimeError):
     """A function raised on one of the worker ranks."""
 
-    def __init__(self, rank, remote_traceback):
+    def __init__(self, rank: int, remote_traceback: str) -> None:
         self.rank = rank
         self.remote_traceback = remote_traceback
         super().__init__(f"rank {rank} raised:\n{remote_traceback}")
 
 
 @contextlib.contextmanager
-def environment(values):
+def environment(values: Mapping[str, str | None]) -> Iterator[None]:
     """Set environment variables (None unsets one) for the block, then
     restore them."""
     saved = {key: os.environ.get(key) for key in values}
@@ -106,7 +115,13 @@ def _worker(rank, world_size, rendezvous, initialize, connection):
 class ProcessGroupPool:
     """N worker processes that form one torch.distributed world."""
 
-    def __init__(self, world_size=2, timeout=120.0, initialize=True, env=None):
+    def __init__(
+        self,
+        world_size: int = 2,
+        timeout: float = 120.0,
+        initialize: bool = True,
+        env: Mapping[str, str | None] | None = None,
+    ) -> None:
         self.world_size = world_size
         self.timeout = timeout
         self._directory = tempfile.mkdtemp(prefix="ktd-pool-")
@@ -137,12 +152,19 @@ class ProcessGroupPool:
         self._collect(self.timeout + 60.0)
 
     @property
-    def alive(self):
+    def alive(self) -> bool:
+        """True while every worker process runs."""
         return bool(self._processes) and all(
             p.is_alive() for p in self._processes
         )
 
-    def run(self, function, *args, timeout=None, **kwargs):
+    def run(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """`function(*args, **kwargs)` on every rank; results in rank order."""
         if not self.alive:
             raise RuntimeError("the process pool was closed after a failure")
@@ -150,7 +172,7 @@ class ProcessGroupPool:
             connection.send((function, args, kwargs))
         return self._collect(timeout or self.timeout)
 
-    def _collect(self, timeout):
+    def _collect(self, timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout
         results = [None] * self.world_size
         pending = set(range(self.world_size))
@@ -162,7 +184,8 @@ class ProcessGroupPool:
                         self.close(kill=True)
                         raise WorkerError(
                             rank,
-                            f"process exited with code {self._processes[rank].exitcode}",
+                            "process exited with code "
+                            f"{self._processes[rank].exitcode}",
                         )
                     continue
                 try:
@@ -184,11 +207,12 @@ class ProcessGroupPool:
             if pending and time.monotonic() > deadline:
                 self.close(kill=True)
                 raise TimeoutError(
-                    f"ranks {sorted(pending)} did not answer within {timeout:.0f} s"
+                    f"ranks {sorted(pending)} did not answer within "
+                    f"{timeout:.0f} s"
                 )
         return results
 
-    def close(self, kill=False):
+    def close(self, kill: bool = False) -> None:
         """Stop the workers (killing any that hang) and remove the files."""
         for connection, process in zip(self._connections, self._processes):
             if kill and process.is_alive():
@@ -208,14 +232,20 @@ class ProcessGroupPool:
         self._processes, self._connections = [], []
         shutil.rmtree(self._directory, ignore_errors=True)
 
-    def __enter__(self):
+    def __enter__(self) -> ProcessGroupPool:
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
-def run(function, *args, world_size=2, timeout=120.0, **kwargs):
+def run(
+    function: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
     """Run `function` once on `world_size` fresh processes."""
     with ProcessGroupPool(world_size, timeout=timeout) as pool:
         return pool.run(function, *args, **kwargs)

@@ -1,5 +1,5 @@
-"""examples/checkpoint_resume.py: a first run stops after 2 epochs, a second
-run resumes from the newest sharded checkpoint; `ktd report` shows the shards."""
+"""examples/checkpoint_resume.py: a first run stops after 2 epochs, a second run
+resumes from the newest sharded checkpoint; `ktd report` shows the shards."""
 
 import os
 import re
@@ -41,9 +41,9 @@ def test_checkpoint_example_resumes_and_report_shows_shards(tmp_path):
     report = _ktd("report", os.path.join(directory, newest))
     assert report.returncode == 0, report.stderr
     kernel = [
-        l
-        for l in report.stdout.splitlines()
-        if l.startswith("model/hidden/kernel")
+        line
+        for line in report.stdout.splitlines()
+        if line.startswith("model/hidden/kernel")
     ]
     assert kernel and "0: (0, 0)+(16, 32); 1: (0, 32)+(16, 32)" in kernel[0]
     assert re.search(

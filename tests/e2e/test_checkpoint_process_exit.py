@@ -149,7 +149,8 @@ def test_async_save_never_completed_is_completed_at_exit(pool2, tmp_path):
         "sys.path.insert(0, sys.argv[2])\n"
         "from helpers import checkpoint_model\n"
         "from keras_torch_distribution import checkpoint\n"
-        "checkpoint.async_save(checkpoint_model(), sys.argv[1], extra={'epoch': 7})\n"
+        "checkpoint.async_save(checkpoint_model(), sys.argv[1], "
+        "extra={'epoch': 7})\n"
     )
     one = str(tmp_path / "one")
     env = dict(

@@ -97,7 +97,8 @@ def _start(args, env):
 
 
 def _run_all(envs, args=(_SCRIPT,), timeout=300):
-    """Start one process per environment (a scheduler's processes), wait for all."""
+    """Start one process per environment (a scheduler's processes), wait for
+    all."""
     processes = [_start(args, env) for env in envs]
     try:
         return [finish(process, timeout) for process in processes]
@@ -109,7 +110,8 @@ def _run_all(envs, args=(_SCRIPT,), timeout=300):
 
 
 def _marked_processes(marker):
-    """Pids of live processes (zombies aside) whose environment holds `marker`."""
+    """Pids of live processes (zombies aside) whose environment holds
+    `marker`."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
@@ -294,8 +296,8 @@ def test_a_started_process_that_raises_ends_the_command(marker):
     assert "finished training" not in result.stdout
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(
-        "keras.distribution.initialize(): rank 1 (local rank 1) failed first, exit code "
-        "1: RuntimeError: deliberate failure on rank 1 after epoch 1."
+        "keras.distribution.initialize(): rank 1 (local rank 1) failed first, "
+        "exit code 1: RuntimeError: deliberate failure on rank 1 after epoch 1."
     ), result.stderr[-4000:]
     assert elapsed < 180, f"took {elapsed:.0f} s"
     assert _marked_processes(marker) == []

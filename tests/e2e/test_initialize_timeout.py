@@ -68,11 +68,18 @@ for kind, port in ports.items():
     start = time.monotonic()
     try:
         keras.distribution.initialize(
-            job_addresses=f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+            job_addresses=f"127.0.0.1:{port}",
+            num_processes=2,
+            process_id=process_id,
+        )
         found = None
     except RuntimeError as error:
         found = str(error)
-    print("RESULT", json.dumps([kind, found, time.monotonic() - start]), flush=True)
+    print(
+        "RESULT",
+        json.dumps([kind, found, time.monotonic() - start]),
+        flush=True,
+    )
 """
 
 
@@ -134,24 +141,26 @@ def test_initialize_ends_within_the_timeout_when_nothing_answers():
         assert seconds < timeout + 6, (process_id, kind, seconds)
         assert message.startswith(
             f"torch.distributed could not start process {process_id} of 2 at "
-            f"tcp://127.0.0.1:{ports[kind]} within KTD_TIMEOUT_SECONDS={timeout} s: "
+            f"tcp://127.0.0.1:{ports[kind]} within "
+            f"KTD_TIMEOUT_SECONDS={timeout} s: "
         ), message
     for kind in ("accepts", "listens"):
         message, seconds = results[0, kind]
         assert seconds < timeout, seconds  # refused at once
         assert message.endswith(
-            f"Another program holds port {ports[kind]} on this host, where process 0 "
-            "hosts the coordinator. Give every process the same free port "
-            "(job_addresses='host:PORT', or MASTER_PORT), or stop the program that "
-            "holds it."
+            f"Another program holds port {ports[kind]} on this host, where "
+            "process 0 hosts the coordinator. Give every process the same free "
+            "port (job_addresses='host:PORT', or MASTER_PORT), or stop the "
+            "program that holds it."
         ), message
         message, _ = results[1, kind]
         assert message.endswith(
-            f"no torch.distributed store answered at 127.0.0.1:{ports[kind]}. Either "
-            "process 0 has not started its coordinator there (start it, or raise "
-            "KTD_TIMEOUT_SECONDS if it starts slowly), or another program holds that "
-            "port and does not answer (process 0 then fails at once with 'address "
-            "already in use'): give every process the same free port."
+            f"no torch.distributed store answered at 127.0.0.1:{ports[kind]}. "
+            "Either process 0 has not started its coordinator there (start it, "
+            "or raise KTD_TIMEOUT_SECONDS if it starts slowly), or another "
+            "program holds that port and does not answer (process 0 then fails "
+            "at once with 'address already in use'): give every process the "
+            "same free port."
         ), message
     # Nothing listens: torch's own timeout, or ours if torch overruns it.
     message, _ = results[1, "closed"]

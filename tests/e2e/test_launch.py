@@ -178,8 +178,8 @@ def test_a_rank_that_raises_mid_fit_ends_the_job():
     )
     assert elapsed < 60, f"took {elapsed:.0f} s"
     assert summary.startswith(
-        "ktd run: rank 1 (local rank 1) failed first, exit code 1: RuntimeError: "
-        "deliberate failure on rank 1 after epoch 1."
+        "ktd run: rank 1 (local rank 1) failed first, exit code 1: "
+        "RuntimeError: deliberate failure on rank 1 after epoch 1."
     ), stderr[-3000:]
     assert "torchrun stopped the other processes" in summary
 
@@ -212,8 +212,8 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it():
         "--monitor-interval", "3", "tests/scripts/rank_killed.py", timeout=180
     )
     assert summary.startswith(
-        "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit code -9). "
-        "It was killed from outside Python"
+        "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit "
+        "code -9). It was killed from outside Python"
     ), stderr[-3000:]
     assert "traceback is above" not in summary
 

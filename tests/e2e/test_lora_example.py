@@ -19,7 +19,7 @@ pytest.importorskip(
 
 
 def _printed(stdout, prefix):
-    line = next(l for l in stdout.splitlines() if l.startswith(prefix))
+    line = next(s for s in stdout.splitlines() if s.startswith(prefix))
     return ast.literal_eval(line[len(prefix) :].strip())
 
 

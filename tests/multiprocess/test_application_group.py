@@ -2,8 +2,8 @@
 `init_process_group("nccl")` is on a GPU machine): the package's own
 collectives on CPU tensors -- ranks agreeing before fit (`agreement`),
 stopping together (`stopping`), the shared shuffle's generator state
-(`batch.adapter`), the checkpoint files' agreement and barriers (`checkpoint._files`)
--- run on a gloo side group (`runtime.cpu_group()`).
+(`batch.adapter`), the checkpoint files' agreement and barriers
+(`checkpoint._files`) -- run on a gloo side group (`runtime.cpu_group()`).
 
 On this CPU machine the group is "cuda:gloo": gloo for CUDA tensors only,
 so a CPU tensor on it fails exactly as on an NCCL-only group ("No backend
@@ -55,7 +55,8 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
         except agreement.RanksDisagreeError as error:
             result["disagreement"] = str(error)
         torch.manual_seed(100 + rank)  # ranks' generators differ ...
-        adapter._same_torch_generator_everywhere()  # ... until rank 0's is shared
+        # ... until rank 0's is shared
+        adapter._same_torch_generator_everywhere()
         result["shuffle_draw"] = torch.rand(3).tolist()
         result["files_agree"] = _files.agree(lambda: rank)
         _files.barrier()
@@ -88,7 +89,8 @@ def test_cpu_collectives_run_on_a_gloo_side_group(tmp_path):
         assert result["stopping"] == [1]
         assert result["agreed"] == 2
         assert result["disagreement"].startswith(
-            "fit() differs between ranks in x: ranks [0]: rank 0; ranks [1]: rank 1."
+            "fit() differs between ranks in x: ranks [0]: rank 0; ranks [1]: "
+            "rank 1."
         )
         assert result["files_agree"] == rank
     assert results[0]["shuffle_draw"] == results[1]["shuffle_draw"]

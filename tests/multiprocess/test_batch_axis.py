@@ -432,13 +432,15 @@ def _disagreeing_fit(what):
 def test_ranks_that_disagree_are_named_on_every_rank(pool2):
     for message in pool2.run(_disagreeing_fit, "rows"):
         assert (
-            "fit() differs between ranks in rows of x: ranks [0]: 64; ranks [1]: 58"
-            in message
-        )
+            "fit() differs between ranks in rows of x: ranks [0]: 64; ranks "
+            "[1]: 58"
+        ) in message
     for message in pool2.run(_disagreeing_fit, "model"):
         assert (
-            "Ranks are running different programs: ranks [0]: fit(); ranks [1]: "
-            "the build of 1 variable ('sequential"
+            (
+                "Ranks are running different programs: ranks [0]: fit(); ranks "
+                "[1]: the build of 1 variable ('sequential"
+            )
             in message
             and "/down/kernel')" in message  # its zero bias needs no broadcast
         ), message
@@ -447,7 +449,8 @@ def test_ranks_that_disagree_are_named_on_every_rank(pool2):
             "the build differs between ranks in variable sequential" in message
         ), message
         assert (
-            "/down/kernel: ranks [0]: (8, 6) float32 None; ranks [1]: (8, 7) float32 None"
+            "/down/kernel: ranks [0]: (8, 6) float32 None; ranks [1]: (8, 7) "
+            "float32 None"
         ) in message, message
     seconds = pool2.run(_disagreeing_fit, "agree")
     print(f"agreement check: {1e3 * max(seconds):.2f} ms per call")

@@ -438,7 +438,7 @@ def resume(backup_dir):
     return resume_fit(backup_dir, None, kill=False, epochs=3)
 
 
-def test_backup_resumes_from_the_last_complete_backup_after_a_crash_at_each_step(
+def test_backup_resumes_from_last_complete_backup_after_a_crash_at_each_step(
     pool2, tmp_path
 ):
     snapshots = tmp_path / "snapshots"

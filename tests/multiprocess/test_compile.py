@@ -94,9 +94,10 @@ def _check(results, kind, epochs=2):
     for rank, result in enumerate(results):
         report = result[4]
         print(
-            f"{kind} rank {rank}: compiled graphs {report['graphs']}, graph breaks "
-            f"{report['graph_breaks']} {report['break_reasons']}, compiled frames "
-            f"{report['frames']} (recompiles {max(report['frames'] - 1, 0)})"
+            f"{kind} rank {rank}: compiled graphs {report['graphs']}, graph "
+            f"breaks {report['graph_breaks']} {report['break_reasons']}, "
+            f"compiled frames {report['frames']} (recompiles "
+            f"{max(report['frames'] - 1, 0)})"
         )
         # One graph for training, one for evaluate/predict (no_grad,
         # training=False); the forward never breaks.

@@ -56,10 +56,10 @@ def test_mesh_must_cover_every_process(pool2):
             kind, message = found[where]
             assert kind == "ValueError"
             assert message == (
-                f"DeviceMesh shape={shape} has {count} devices, but 2 processes run. "
-                "The mesh must cover every process, one device per process: build "
-                "it from keras.distribution.list_devices() with a shape whose "
-                "product is 2."
+                f"DeviceMesh shape={shape} has {count} devices, but 2 "
+                "processes run. The mesh must cover every process, one device "
+                "per process: build it from keras.distribution.list_devices() "
+                "with a shape whose product is 2."
             ), (where, message)
 
 

@@ -296,10 +296,10 @@ def test_a_layer_gathering_twice_per_forward_is_split(pool2):
     matrix it reads (not the whole layer twice), and the numbers are one
     process's. Per step: the embeddings, each block and
     `reverse_embeddings` gathered in forward; in backward
-    `reverse_embeddings` (a split layer is never kept) and every block; one reduce-scatter per block and per matrix; one
-    all-reduce (the norms' gradients with the metric states). The last
-    block is not kept for backward either: the output projection comes
-    after it."""
+    `reverse_embeddings` (a split layer is never kept) and every block; one
+    reduce-scatter per block and per matrix; one all-reduce (the norms'
+    gradients with the metric states). The last block is not kept for backward
+    either: the output projection comes after it."""
     layers = 2
     keras.backend.clear_session()
     reference = _llama_output_projection_sharded(False, layers)

@@ -2,8 +2,8 @@
 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (GPU audit
 M3): parameters are all-gathered in bfloat16 (half the bytes of float32),
 gradients reduce-scattered in float32, on the grouped flat path
-(`fsdp.groups`) and on the per-variable DTensor path (`fsdp.gathering`: variables
-outside a group, everything under jit_compile). On 2 gloo processes
+(`fsdp.groups`) and on the per-variable DTensor path (`fsdp.gathering`:
+variables outside a group, everything under jit_compile). On 2 gloo processes
 against one process on the global batch, with the dtype and bytes of every
 collective of one training step recorded.
 """

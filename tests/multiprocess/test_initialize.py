@@ -288,12 +288,18 @@ def _check_initialized(results, world=2):
         assert_error(
             result["wrong_world"],
             "ValueError",
-            rf"initialize\(num_processes={world + 1}\) but torch.distributed already runs {world} processes",
+            (
+                rf"initialize\(num_processes={world + 1}\) but "
+                rf"torch.distributed already runs {world} processes"
+            ),
         )
         assert_error(
             result["wrong_rank"],
             "ValueError",
-            rf"initialize\(process_id={1 - rank}\) but this process already is rank {rank}",
+            (
+                rf"initialize\(process_id={1 - rank}\) but this process "
+                rf"already is rank {rank}"
+            ),
         )
         np.testing.assert_array_equal(result["summed"], [1.0, 2.0])
     # Unseeded initializers agree across ranks once initialize() ran.
@@ -341,7 +347,10 @@ def test_initialize_from_torchrun_env(fresh_pool2):
         assert_error(
             result["wrong_world"],
             "ValueError",
-            r"initialize\(num_processes=3\) but torch.distributed already runs 2 processes",
+            (
+                r"initialize\(num_processes=3\) but torch.distributed already "
+                r"runs 2 processes"
+            ),
         )
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         np.testing.assert_array_equal(a, b)
@@ -389,12 +398,18 @@ def test_torchrun_env_mismatch_is_refused(fresh_pool2):
         assert_error(
             found,
             "ValueError",
-            r"initialize\(num_processes=4\) but torchrun started WORLD_SIZE=2 processes",
+            (
+                r"initialize\(num_processes=4\) but torchrun started "
+                r"WORLD_SIZE=2 processes"
+            ),
         )
         assert_error(
             devices,
             "IncompleteEnvironmentError",  # a RuntimeError
-            r"WORLD_SIZE=2 says this process is one of 2, but the environment lacks "
-            r"MASTER_ADDR, MASTER_PORT to join the others.*ktd run -n 2",
+            (
+                r"WORLD_SIZE=2 says this process is one of 2, but the "
+                r"environment lacks MASTER_ADDR, MASTER_PORT to join the "
+                r"others.*ktd run -n 2"
+            ),
         )
         assert not initialized

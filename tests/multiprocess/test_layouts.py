@@ -454,8 +454,10 @@ def test_error_cases(pool2):
         assert_error(
             errors["rank_dtensor"],
             "ValueError",
-            r"Layout axes \('batch', None, None\) have 3 entries, but the tensor has "
-            r"shape \(4, 2\)",
+            (
+                r"Layout axes \('batch', None, None\) have 3 entries, but the "
+                r"tensor has shape \(4, 2\)"
+            ),
         )
         assert_error(
             errors["too_few_devices"],
@@ -476,7 +478,10 @@ def test_error_cases(pool2):
         assert_error(
             errors["repeated_device"],
             "ValueError",
-            r"devices \['cpu:0', 'cpu:0'\] do not name each of the 2 processes once",
+            (
+                r"devices \['cpu:0', 'cpu:0'\] do not name each of the 2 "
+                r"processes once"
+            ),
         )
         assert_error(
             errors["foreign_device"],
@@ -496,7 +501,10 @@ def test_error_cases(pool2):
         assert_error(
             errors["unknown_axis_ours"],
             "ValueError",
-            r"name the mesh axis 'model', which the mesh does not have; its axes are \['batch'\]",
+            (
+                r"name the mesh axis 'model', which the mesh does not have; "
+                r"its axes are \['batch'\]"
+            ),
         )
         assert_error(
             errors["unknown_axis_layout_map"],

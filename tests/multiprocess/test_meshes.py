@@ -180,7 +180,8 @@ def test_mesh_cache_and_switching_meshes(pool2):
         assert result["distinct"] == 3
         assert result["mp_shape"] == (1, 2)
         assert result["mp_names"] == ("batch", "model")
-        # On the (1, 2) mesh the "batch" axis holds one rank: its sum is its own.
+        # On the (1, 2) mesh the "batch" axis holds one rank: its sum is its
+        # own.
         assert (
             result["sums"]
             == [
@@ -198,8 +199,11 @@ def test_devices_out_of_rank_order_are_refused(pool2):
         assert_error(
             reversed_1d,
             "ValueError",
-            r"DeviceMesh devices \['cpu:1', 'cpu:0'\] \(as a grid of ranks \[1, 0\]\) "
-            r"do not increase along mesh axis 'batch'.*list_devices\(\)",
+            (
+                r"DeviceMesh devices \['cpu:1', 'cpu:0'\] \(as a grid of ranks "
+                r"\[1, 0\]\) do not increase along mesh axis "
+                r"'batch'.*list_devices\(\)"
+            ),
         )
         assert_error(
             reversed_2d,

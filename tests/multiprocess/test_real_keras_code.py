@@ -164,8 +164,12 @@ def test_uneven_einsum_kernels(pool2):
                 kernel, want_kernel, rtol=1e-6, atol=1e-6, err_msg=where
             )
             replicated = any(
-                "splits dims [1] over more processes than they have entries, so "
-                "they are replicated instead (layout (None, None, None))" in r
+                (
+                    "splits dims [1] over more processes than they have "
+                    "entries, so they are replicated instead (layout (None, "
+                    "None, None))"
+                )
+                in r
                 for r in records
             )
             assert replicated == (heads == 1 and rank == 0), (where, records)
@@ -272,13 +276,14 @@ def small_things():
 def test_small_things_users_meet_first(pool2):
     for rank, out in enumerate(pool2.run(small_things)):
         assert out["batch_dim_name"] == (
-            "ModelParallel(batch_dim_name='nope'): the mesh has no axis 'nope'; its "
-            "axes are ['batch', 'model']. Pass batch_dim_name= one of them (the "
-            "data-parallel axis), or name that axis so in the DeviceMesh."
+            "ModelParallel(batch_dim_name='nope'): the mesh has no axis "
+            "'nope'; its axes are ['batch', 'model']. Pass batch_dim_name= one "
+            "of them (the data-parallel axis), or name that axis so in the "
+            "DeviceMesh."
         )
         assert out["one_device"].startswith(
-            "DeviceMesh shape=(1,) has 1 devices, but 2 processes run. The mesh must "
-            "cover every process"
+            "DeviceMesh shape=(1,) has 1 devices, but 2 processes run. The "
+            "mesh must cover every process"
         )
         assert out["summary_printed"] == (rank == 0)
         assert out["summary_collected"]

@@ -114,8 +114,8 @@ def test_map_that_leaves_reverse_embeddings_whole_warns_once(pool2, tmp_path):
     text = format_checkpoint_table(rows)
     assert (
         "WHOLE: model/token_embedding/reverse_embeddings was whole on every "
-        f"rank ({100 * REVERSE_BYTES / MODEL_BYTES:.1f}% of the model's bytes); "
-        "a LayoutMap key would shard it, e.g. "
+        f"rank ({100 * REVERSE_BYTES / MODEL_BYTES:.1f}% of the model's "
+        "bytes); a LayoutMap key would shard it, e.g. "
         "layout_map['token_embedding/reverse_embeddings'] = (None, 'batch')"
     ) in text, text
 

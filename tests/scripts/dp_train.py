@@ -18,7 +18,10 @@ import keras_torch_distribution
 
 if "--without-initialize" in sys.argv:
     print(
-        f"rank={os.environ.get('RANK')} devices={keras.distribution.list_devices()}",
+        (
+            f"rank={os.environ.get('RANK')} "
+            f"devices={keras.distribution.list_devices()}"
+        ),
         flush=True,
     )
 else:

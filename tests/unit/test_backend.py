@@ -152,8 +152,10 @@ def test_older_keras_version_is_refused(monkeypatch, version):
     monkeypatch.setattr(keras, "__version__", version)
     with pytest.raises(
         ImportError,
-        match=rf"supports keras>=3\.15\.1,<3\.17, but keras {version} is "
-        r"installed.*pip install",
+        match=(
+            rf"supports keras>=3\.15\.1,<3\.17, but keras {version} is "
+            r"installed.*pip install"
+        ),
     ):
         _keras.check_environment()
 
@@ -292,7 +294,9 @@ def test_device_rank(device, rank):
 def test_device_rank_rejects(device):
     with pytest.raises(
         ValueError,
-        match=rf"Device '{device}' is not a device of this package.*list_devices",
+        match=(
+            rf"Device '{device}' is not a device of this package.*list_devices"
+        ),
     ):
         layouts.device_rank(device)
 
@@ -322,11 +326,13 @@ def test_init_method_parsing():
 
 
 def test_initialize_argument_errors(monkeypatch):
-    # KTD_SPAWN=0: initialize(num_processes=2) must not start 2 pytest processes.
+    # KTD_SPAWN=0: initialize(num_processes=2) must not start 2 pytest
+    # processes.
     monkeypatch.setenv("KTD_SPAWN", "0")
     if dist.is_initialized():
         pytest.skip(
-            "a process group runs in the pytest process; initialize() would return early"
+            "a process group runs in the pytest process; initialize() would "
+            "return early"
         )
     with pytest.raises(
         ValueError, match=r"also needs num_processes and process_id"
@@ -345,10 +351,11 @@ def test_initialize_argument_errors(monkeypatch):
     with pytest.raises(
         ValueError,
         match=(
-            r"^initialize\(num_processes=2\) would start 2 local processes, but "
-            r"KTD_SPAWN=0 is set. Start the script with `ktd run -n 2 script.py` \(or "
-            r"torchrun --nproc-per-node 2\); or give every process "
-            r"job_addresses='host:port' \(process 0's\) and its process_id.$"
+            r"^initialize\(num_processes=2\) would start 2 local processes, "
+            r"but KTD_SPAWN=0 is set. Start the script with `ktd run -n 2 "
+            r"script.py` \(or torchrun --nproc-per-node 2\); or give every "
+            r"process job_addresses='host:port' \(process 0's\) and its "
+            r"process_id.$"
         ),
     ):
         keras.distribution.initialize(num_processes=2)
@@ -395,7 +402,10 @@ def test_placements_2d_mesh(axes, expected):
 def test_placements_unknown_axis():
     with pytest.raises(
         ValueError,
-        match=r"name the mesh axis 'data', which the mesh does not have; its axes are \['batch', 'model'\]",
+        match=(
+            r"name the mesh axis 'data', which the mesh does not have; its "
+            r"axes are \['batch', 'model'\]"
+        ),
     ):
         layouts.placements_for(("data", None), ["batch", "model"])
     with pytest.raises(ValueError, match=r"mesh axis 'data'"):
@@ -405,7 +415,10 @@ def test_placements_unknown_axis():
 def test_placements_axis_used_twice():
     with pytest.raises(
         ValueError,
-        match=r"use the mesh axis 'model' for dims 0 and 1; a mesh axis can shard only one tensor dim",
+        match=(
+            r"use the mesh axis 'model' for dims 0 and 1; a mesh axis can "
+            r"shard only one tensor dim"
+        ),
     ):
         layouts.placements_for(("model", "model"), ["batch", "model"])
     with pytest.raises(
@@ -429,7 +442,10 @@ def test_check_rank_message():
     )
     with pytest.raises(
         ValueError,
-        match=r"Layout axes \('batch', None\) have 2 entries, but the tensor has shape \(4,\) \(rank 1\)",
+        match=(
+            r"Layout axes \('batch', None\) have 2 entries, but the tensor has "
+            r"shape \(4,\) \(rank 1\)"
+        ),
     ):
         layouts.check_rank(layout, (4,), "the tensor")
 

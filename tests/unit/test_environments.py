@@ -336,8 +336,8 @@ def test_detection_fills_what_is_not_given():
     with pytest.raises(
         ValueError,
         match=(
-            r"^initialize\(num_processes=2\) but slurm started 4 processes \(SLURM_JOB_ID="
-            r"123456, .*\). Pass num_processes=4 or none.$"
+            r"^initialize\(num_processes=2\) but slurm started 4 processes "
+            r"\(SLURM_JOB_ID=123456, .*\). Pass num_processes=4 or none.$"
         ),
     ):
         detect(T3, num_processes=2)
@@ -440,8 +440,8 @@ def test_kubeflow_node_launchers_start_their_processes():
     with pytest.raises(
         IncompleteEnvironmentError,
         match=(
-            r"^WORLD_SIZE=6 but PET_NNODES=3 nodes x 1 processes per node make 3 .*set "
-            r"KTD_SPAWN=N to start N CPU processes per node"
+            r"^WORLD_SIZE=6 but PET_NNODES=3 nodes x 1 processes per node make "
+            r"3 .*set KTD_SPAWN=N to start N CPU processes per node"
         ),
     ):
         detect(v1)
@@ -514,11 +514,16 @@ def test_a_machine_without_launcher():
                 "SLURM_NTASKS": "4",
                 "SLURM_STEP_NODELIST": "n1",
             },
-            r"^This process looks started by SLURM \(an srun step\) \(SLURM_JOB_ID=1, SLURM_STEP_ID=0, "
-            r"SLURM_NTASKS=4, SLURM_STEP_NODELIST=n1\), but SLURM_PROCID, SLURM_LOCALID are missing, "
-            r"so it cannot join the other processes. Start the script with srun inside the "
-            r"allocation, e.g. `srun python train.py` \(srun sets all of them\). Or set "
-            r"KTD_CLUSTER=none to run one process and ignore these variables.$",
+            (
+                r"^This process looks started by SLURM \(an srun step\) "
+                r"\(SLURM_JOB_ID=1, SLURM_STEP_ID=0, SLURM_NTASKS=4, "
+                r"SLURM_STEP_NODELIST=n1\), but SLURM_PROCID, SLURM_LOCALID "
+                r"are missing, so it cannot join the other processes. Start "
+                r"the script with srun inside the allocation, e.g. `srun "
+                r"python train.py` \(srun sets all of them\). Or set "
+                r"KTD_CLUSTER=none to run one process and ignore these "
+                r"variables.$"
+            ),
         ),
         (
             {
@@ -527,11 +532,15 @@ def test_a_machine_without_launcher():
                 "OMPI_COMM_WORLD_RANK": "1",
                 "OMPI_COMM_WORLD_LOCAL_RANK": "1",
             },
-            r"^Open MPI started this process as rank 1 of 2 \(OMPI_COMM_WORLD_SIZE=2, "
-            r"OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_LOCAL_RANK=1\), but nothing says where "
-            r"process 0 is: MASTER_ADDR is missing \(and mpi4py, which could ask rank 0, is not "
-            r"installed\). Set MASTER_ADDR .*`mpirun -x "
-            r"MASTER_ADDR=\$\(hostname\) -x MASTER_PORT=29500 ...`",
+            (
+                r"^Open MPI started this process as rank 1 of 2 "
+                r"\(OMPI_COMM_WORLD_SIZE=2, OMPI_COMM_WORLD_RANK=1, "
+                r"OMPI_COMM_WORLD_LOCAL_RANK=1\), but nothing says where "
+                r"process 0 is: MASTER_ADDR is missing \(and mpi4py, which "
+                r"could ask rank 0, is not installed\). Set MASTER_ADDR "
+                r".*`mpirun -x MASTER_ADDR=\$\(hostname\) -x MASTER_PORT=29500 "
+                r"...`"
+            ),
         ),
         (
             {"OMPI_COMM_WORLD_SIZE": "2"},
@@ -557,13 +566,18 @@ def test_a_machine_without_launcher():
         ),
         (
             {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"},
-            r"by torchrun \(WORLD_SIZE=2, TORCHELASTIC_RUN_ID=x\), but RANK, MASTER_ADDR, "
-            r"MASTER_PORT are missing",
+            (
+                r"by torchrun \(WORLD_SIZE=2, TORCHELASTIC_RUN_ID=x\), but "
+                r"RANK, MASTER_ADDR, MASTER_PORT are missing"
+            ),
         ),
         (
             {"WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "1"},
-            r"^WORLD_SIZE=2 says this process is one of 2, but the environment lacks RANK \(or "
-            r"NODE_RANK, LOCAL_WORLD_SIZE and LOCAL_RANK\) to join the others",
+            (
+                r"^WORLD_SIZE=2 says this process is one of 2, but the "
+                r"environment lacks RANK \(or NODE_RANK, LOCAL_WORLD_SIZE and "
+                r"LOCAL_RANK\) to join the others"
+            ),
         ),
         (
             dict(T3, SLURM_PROCID="7"),

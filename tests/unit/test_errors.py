@@ -131,10 +131,10 @@ def test_bad_timeout_setting(monkeypatch, value):
     with pytest.raises(ValueError) as caught:
         runtime.timeout_seconds()
     assert str(caught.value) == (
-        f"KTD_TIMEOUT_SECONDS='{value}' is not a positive number of seconds up to "
-        "604800 (one week): it sets how long the rendezvous and each collective wait "
-        "for a peer. Set it to a number in (0, 604800], e.g. 300 (the default), or "
-        "unset it."
+        f"KTD_TIMEOUT_SECONDS='{value}' is not a positive number of seconds up "
+        "to 604800 (one week): it sets how long the rendezvous and each "
+        "collective wait for a peer. Set it to a number in (0, 604800], e.g. "
+        "300 (the default), or unset it."
     )
 
 
@@ -197,8 +197,11 @@ def test_variable_created_outside_the_distribution_warns_once(one_process):
         if "created with no distribution" in r.getMessage()
     ]
     assert messages == [
-        "Variable 'net/dense/kernel' was created with no distribution set, so it "
-        "is whole on every rank, but the current distribution would shard it "
-        "with axes (None, 'model'). Create the model after "
-        "keras.distribution.set_distribution(...) or inside distribution.scope()."
+        (
+            "Variable 'net/dense/kernel' was created with no distribution set, "
+            "so it is whole on every rank, but the current distribution would "
+            "shard it with axes (None, 'model'). Create the model after "
+            "keras.distribution.set_distribution(...) or inside "
+            "distribution.scope()."
+        )
     ], messages

@@ -25,7 +25,8 @@ from keras_torch_distribution.variables import born_sharded  # noqa: E402
 
 
 class _SecondOfFour:
-    """A 1-D mesh of 4 as `layouts.local_box` reads it, seen from coordinate 1."""
+    """A 1-D mesh of 4 as `layouts.local_box` reads it, seen from coordinate
+    1."""
 
     ndim = 1
 

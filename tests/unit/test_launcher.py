@@ -147,8 +147,9 @@ def test_bad_timeout_setting_is_refused_before_ranks_start(
     with pytest.raises(
         SystemExit,
         match=(
-            rf"^ktd run: KTD_TIMEOUT_SECONDS='{value}' is not a positive number of seconds "
-            r"up to 604800 \(one week\).*Set it to a number in \(0, 604800\]"
+            rf"^ktd run: KTD_TIMEOUT_SECONDS='{value}' is not a positive "
+            r"number of seconds up to 604800 \(one week\).*Set it to a number "
+            r"in \(0, 604800\]"
         ),
     ):
         launch.run(["-n", "2", "train.py"])
@@ -169,11 +170,12 @@ class _HeldPort:
 
 def _port_in_use_message(port):
     return (
-        rf"^ktd run: --master-port {port} is in use on this machine \(.+\), and "
-        r"this node \(node rank 0\) must host the rendezvous there. Give a free port "
-        r"with --master-port \(the same on every node\), stop the program that holds "
-        rf"it \(`ss -ltnp 'sport = :{port}'` names it\), or, on one machine, leave "
-        r"out --master-addr and --master-port: `ktd run` then picks a free port.$"
+        rf"^ktd run: --master-port {port} is in use on this machine \(.+\), "
+        r"and this node \(node rank 0\) must host the rendezvous there. Give a "
+        r"free port with --master-port \(the same on every node\), stop the "
+        rf"program that holds it \(`ss -ltnp 'sport = :{port}'` names it\), "
+        r"or, on one machine, leave out --master-addr and --master-port: `ktd "
+        r"run` then picks a free port.$"
     )
 
 
@@ -202,9 +204,9 @@ def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
 
     def taken(arguments):
         raise DistNetworkError(
-            "The server socket has failed to listen on any local network address. "
-            f"port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: "
-            "address already in use"
+            "The server socket has failed to listen on any local network "
+            f"address. port: {port}, useIpv6: false, code: -98, name: "
+            "EADDRINUSE, message: address already in use"
         )
 
     monkeypatch.setattr(torch_run, "main", taken)
@@ -235,14 +237,17 @@ def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
 # --------------------------------------------------------------------------
 
 _LOST_PEER = (
-    "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-    "[127.0.0.1]:16296: Connection reset by peer. This is typically caused by a "
-    "remote worker hanging or bugs in the application."
+    "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+    "error [127.0.0.1]:16296: Connection reset by peer. This is typically "
+    "caused by a remote worker hanging or bugs in the application."
 )
 _KERAS_LAYER_ERROR = (
     "ValueError: Exception encountered when calling Dense.call().\n\n"
-    "\x1b[1mInvalid dtype: foo\nmore detail\x1b[0m\n\n"
-    "Arguments received by Dense.call():\n  \u2022 inputs=tensor\n  \u2022 training=False"
+    "\x1b[1mInvalid dtype: foo\n"
+    "more detail\x1b[0m\n\n"
+    "Arguments received by Dense.call():\n"
+    "  \u2022 inputs=tensor\n"
+    "  \u2022 training=False"
 )
 
 
@@ -286,19 +291,20 @@ def test_failure_summary_prefers_a_killed_rank_to_one_that_lost_it(tmp_path):
     }
     summary = launch.failure_summary(failures)
     assert summary == (
-        "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit code -9). "
-        "It was killed from outside Python (the kernel's out-of-memory killer: see "
-        "`dmesg`; a scheduler's time or memory limit; or `kill`), so it left no "
-        "traceback. torchrun stopped the other processes."
+        "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit "
+        "code -9). It was killed from outside Python (the kernel's "
+        "out-of-memory killer: see `dmesg`; a scheduler's time or memory "
+        "limit; or `kill`), so it left no traceback. torchrun stopped the "
+        "other processes."
     )
     # Alone, the rank that lost its peer is named, with what that means.
     summary = launch.failure_summary({0: failures[0]})
     assert summary.startswith(
         "ktd run: rank 0 (local rank 0) failed first, exit code -15 (SIGTERM): "
-        "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-        "[127.0.0.1]:16296: Connection reset by peer. This is typically caused by a "
-        "remote worker hanging or bugs in the application. It lost its connection to "
-        "another rank"
+        "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+        "error [127.0.0.1]:16296: Connection reset by peer. This is typically "
+        "caused by a remote worker hanging or bugs in the application. It lost "
+        "its connection to another rank"
     ), summary
 
 
@@ -312,21 +318,21 @@ def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
     # error itself, not the last line (an argument of the call).
     assert summary.startswith(
         "ktd run: rank 1 (local rank 1) failed first, exit code 1: ValueError: "
-        "Exception encountered when calling Dense.call(). Invalid dtype: foo. torchrun "
-        "stopped the other processes; that rank's traceback is above."
+        "Exception encountered when calling Dense.call(). Invalid dtype: foo. "
+        "torchrun stopped the other processes; that rank's traceback is above."
     ), summary
     assert "training=False" not in summary
     crashed = _failure(tmp_path, 2, -signal.SIGSEGV, 100)
     assert launch.failure_summary({2: crashed}) == (
-        "ktd run: rank 2 (local rank 2) died first, by signal SIGSEGV (exit code -11). "
-        "That is a crash in native code, not a Python exception, so it left no Python "
-        "traceback; its last output above may say why. torchrun stopped the other "
-        "processes."
+        "ktd run: rank 2 (local rank 2) died first, by signal SIGSEGV (exit "
+        "code -11). That is a crash in native code, not a Python exception, so "
+        "it left no Python traceback; its last output above may say why. "
+        "torchrun stopped the other processes."
     )
     exited = _failure(tmp_path, 3, 3, 100)
     assert launch.failure_summary({3: exited}).startswith(
-        "ktd run: rank 3 (local rank 3) failed first, exit code 3, without a Python "
-        "exception on record"
+        "ktd run: rank 3 (local rank 3) failed first, exit code 3, without a "
+        "Python exception on record"
     )
     # Two ranks that both lost a peer: the earlier one.
     late = _failure(tmp_path, 4, 1, 105, _LOST_PEER)
@@ -341,31 +347,43 @@ def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
     [
         (
             "SIGXFSZ",
-            "The file-size limit (`ulimit -f`) was hit while it wrote a file (a "
-            "checkpoint, a log): raise or lift that limit, or write less, e.g. to "
-            "another directory. It left no traceback.",
+            (
+                "The file-size limit (`ulimit -f`) was hit while it wrote a "
+                "file (a checkpoint, a log): raise or lift that limit, or "
+                "write less, e.g. to another directory. It left no traceback."
+            ),
         ),
         (
             "SIGBUS",
-            "Memory it had mapped went away: shared memory or a memory-mapped file was "
-            "full or truncated, most often /dev/shm (a container's small --shm-size; see "
-            "`df -h /dev/shm`). It left no traceback.",
+            (
+                "Memory it had mapped went away: shared memory or a "
+                "memory-mapped file was full or truncated, most often /dev/shm "
+                "(a container's small --shm-size; see `df -h /dev/shm`). It "
+                "left no traceback."
+            ),
         ),
         (
             "SIGXCPU",
-            "Its CPU-time limit (`ulimit -t`, or a scheduler's) ran out: raise the "
-            "limit. It left no traceback.",
+            (
+                "Its CPU-time limit (`ulimit -t`, or a scheduler's) ran out: "
+                "raise the limit. It left no traceback."
+            ),
         ),
         (
             "SIGABRT",
-            "Native code aborted it (a failed C++ check, or `terminate called ...`); its "
-            "last output above says why. It left no traceback.",
+            (
+                "Native code aborted it (a failed C++ check, or `terminate "
+                "called ...`); its last output above says why. It left no "
+                "traceback."
+            ),
         ),
         (
             "SIGTERM",
-            "It was killed from outside Python (the kernel's out-of-memory killer: see "
-            "`dmesg`; a scheduler's time or memory limit; or `kill`), so it left no "
-            "traceback.",
+            (
+                "It was killed from outside Python (the kernel's out-of-memory "
+                "killer: see `dmesg`; a scheduler's time or memory limit; or "
+                "`kill`), so it left no traceback."
+            ),
         ),
     ],
 )
@@ -377,8 +395,9 @@ def test_failure_summary_says_what_a_signal_means(
     number = getattr(signal, signal_name)
     killed = _failure(tmp_path, 1, -number, 100)
     assert launch.failure_summary({1: killed}) == (
-        f"ktd run: rank 1 (local rank 1) died first, by signal {signal_name} (exit code "
-        f"-{int(number)}). {meaning} torchrun stopped the other processes."
+        f"ktd run: rank 1 (local rank 1) died first, by signal {signal_name} "
+        f"(exit code -{int(number)}). {meaning} torchrun stopped the other "
+        "processes."
     )
     # The processes initialize() starts are named as that launcher's.
     assert launch.failure_summary(

@@ -94,8 +94,9 @@ def test_initialize_from_the_launcher_environment(torch_start, monkeypatch):
     with pytest.raises(
         RuntimeError,
         match=(
-            r"could not start process 1 of 2 at env:// \(MASTER_ADDR='10.0.0.1', "
-            r"MASTER_PORT='1234'\) within KTD_TIMEOUT_SECONDS=7 s"
+            r"could not start process 1 of 2 at env:// "
+            r"\(MASTER_ADDR='10.0.0.1', MASTER_PORT='1234'\) within "
+            r"KTD_TIMEOUT_SECONDS=7 s"
         ),
     ):
         keras.distribution.initialize()
@@ -291,8 +292,9 @@ def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):
     with pytest.raises(
         ValueError,
         match=(
-            r"^list_devices\('cpu'\) asks for CPU devices, but this run computes on "
-            r"CUDA \(process group 'cpu:gloo,cuda:nccl', Keras' torch device 'cuda'\)"
+            r"^list_devices\('cpu'\) asks for CPU devices, but this run "
+            r"computes on CUDA \(process group 'cpu:gloo,cuda:nccl', Keras' "
+            r"torch device 'cuda'\)"
         ),
     ):
         keras.distribution.list_devices("cpu")
@@ -332,10 +334,10 @@ def test_job_addresses_that_are_not_an_address(torch_start, job_addresses):
     with pytest.raises(
         ValueError,
         match=(
-            rf"^job_addresses={re.escape(repr(job_addresses))} is not 'host:port' or "
-            r"'host' \(process 0's address first; port 29500 when left out\) nor an init "
-            r"URL such as 'tcp://host:port' or 'file:///path'. Give e.g. "
-            r"job_addresses='10.0.0.1:1234'.$"
+            rf"^job_addresses={re.escape(repr(job_addresses))} is not "
+            r"'host:port' or 'host' \(process 0's address first; port 29500 "
+            r"when left out\) nor an init URL such as 'tcp://host:port' or "
+            r"'file:///path'. Give e.g. job_addresses='10.0.0.1:1234'.$"
         ),
     ):
         keras.distribution.initialize(job_addresses, 2, 1)
@@ -353,12 +355,12 @@ def test_a_launch_without_its_environment_says_how_to_start(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     expected = (
         "WORLD_SIZE=2 says this process is one of 2, but the environment lacks "
-        "MASTER_ADDR, MASTER_PORT to join the others (found RANK=1, WORLD_SIZE=2). "
-        "Launch the script with `ktd run -n 2 script.py` or torchrun, which set RANK, "
-        "WORLD_SIZE, MASTER_ADDR and MASTER_PORT; or call "
-        "keras.distribution.initialize(job_addresses='host:port' (process 0's), "
-        "num_processes=2, process_id=...) on every process; or unset WORLD_SIZE for a "
-        "one-process run."
+        "MASTER_ADDR, MASTER_PORT to join the others (found RANK=1, "
+        "WORLD_SIZE=2). Launch the script with `ktd run -n 2 script.py` or "
+        "torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; or "
+        "call keras.distribution.initialize(job_addresses='host:port' (process "
+        "0's), num_processes=2, process_id=...) on every process; or unset "
+        "WORLD_SIZE for a one-process run."
     )
     mesh = keras.distribution.DeviceMesh((2,), ["model"], ["cpu:0", "cpu:1"])
     for use in (

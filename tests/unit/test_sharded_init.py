@@ -182,7 +182,8 @@ def test_stream_block_any_chunk_size(kind, max_draws):
 
 
 def test_arbitrary_boxes(monkeypatch):
-    """Boxes no layout of ours makes (middle, single rows, empty) still slice."""
+    """Boxes no layout of ours makes (middle, single rows, empty) still
+    slice."""
     monkeypatch.setattr(sharded_init, "CHUNK_DRAWS", 48)
     shape = (50, 9)
     make = SEEDED["glorot_normal"]

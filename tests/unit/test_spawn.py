@@ -74,11 +74,17 @@ def test_a_script_on_a_machine_with_2_gpus_starts_2_processes(machine):
     [
         (
             {"argv": ["-c"]},
-            "Python runs a program given by -c or on stdin, which cannot be run again",
+            (
+                "Python runs a program given by -c or on stdin, which cannot "
+                "be run again"
+            ),
         ),
         (
             {"argv": [""]},
-            "Python runs a program given by -c or on stdin, which cannot be run again",
+            (
+                "Python runs a program given by -c or on stdin, which cannot "
+                "be run again"
+            ),
         ),
         ({"ps1": ">>> "}, "the Python session is interactive"),
         ({"module": "ipykernel"}, "it runs in a Jupyter kernel"),
@@ -112,9 +118,12 @@ def test_no_processes_start_where_the_script_cannot_run_again(
         r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
     ]
     assert warnings == [
-        f"2 processes could run on this node (local: one per device), but {reason}: this "
-        "process runs alone, on one device. Start the script with `ktd run -n 2 script.py` "
-        "(or torchrun --nproc-per-node 2) to use every device."
+        (
+            "2 processes could run on this node (local: one per device), but "
+            f"{reason}: this process runs alone, on one device. Start the "
+            "script with `ktd run -n 2 script.py` (or torchrun "
+            "--nproc-per-node 2) to use every device."
+        )
     ]
 
 
@@ -129,8 +138,8 @@ def test_first_use_never_starts_processes(machine, caplog):
         r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
     ]
     assert (
-        "but a DeviceMesh started the process group on first use, with the script "
-        "already running: this process runs alone"
+        "but a DeviceMesh started the process group on first use, with the "
+        "script already running: this process runs alone"
     ) in warning
     assert warning.endswith(
         ", or call keras.distribution.initialize() at its top to use "
@@ -141,8 +150,9 @@ def test_first_use_never_starts_processes(machine, caplog):
         with pytest.raises(
             ValueError,
             match=(
-                r"^initialize\(num_processes=2\) would start 2 local processes, but "
-                r"list_devices\(\) started the process group on first use"
+                r"^initialize\(num_processes=2\) would start 2 local "
+                r"processes, but list_devices\(\) started the process group on "
+                r"first use"
             ),
         ):
             runtime.ensure_initialized("list_devices()")

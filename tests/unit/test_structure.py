@@ -41,6 +41,7 @@ LAYERS = [
     "_install",  # the patch table
     "__init__",
     "launch.__main__",  # what each launched process runs
+    "plan",  # ktd plan: a simulated world of N on one CPU
     "cli",
     "__main__",
     "testing",
@@ -212,7 +213,9 @@ def fake_package(tmp_path):
     (package / "_keras.py").write_text("from keras.src import backend\n")
     (package / "low.py").write_text("import keras\n")
     (package / "high.py").write_text(
-        f"from {PACKAGE} import low\n\ndef f():\n    from {PACKAGE} import top\n"
+        f"from {PACKAGE} import low\n\n"
+        "def f():\n"
+        f"    from {PACKAGE} import top\n"
     )
     (package / "top.py").write_text(
         f"from {PACKAGE} import high\nfrom keras import src\n"
@@ -240,7 +243,11 @@ def test_a_package_orders_its_modules_by_its_docstring(fake_package):
     sub = os.path.join(fake_package, "sub")
     with open(os.path.join(sub, "__init__.py"), "w") as f:
         f.write(
-            '"""Sub.\n\n- `leaf`: a leaf.\n- `stem`: above it.\n"""\nfrom . import leaf\n'
+            '"""Sub.\n\n'
+            "- `leaf`: a leaf.\n"
+            "- `stem`: above it.\n"
+            '"""\n'
+            "from . import leaf\n"
         )
     with open(os.path.join(sub, "stem.py"), "w") as f:
         f.write("from keras_torch_distribution.sub import leaf\n")
@@ -318,7 +325,9 @@ def test_the_private_attribute_check_finds_offenders(tmp_path):
     package.mkdir()
     (package / "_keras.py").write_text("def raw(v):\n    return v._value\n")
     (package / "user.py").write_text(
-        "def f(variable, callback):\n    variable._value = 1\n    return callback._current_epoch\n"
+        "def f(variable, callback):\n"
+        "    variable._value = 1\n"
+        "    return callback._current_epoch\n"
     )
     (package / "own.py").write_text(
         "class A:\n    def f(self):\n        return self._value\n"

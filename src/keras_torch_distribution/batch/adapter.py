@@ -91,7 +91,8 @@ def get_data_adapter(
         raise ValueError(
             f"batch_size={batch_size} is the global batch and must be "
             f"divisible by the {group.count} data-parallel replicas; use a "
-            f"multiple of {group.count}, e.g. {batch_size - batch_size % group.count or group.count}."
+            f"multiple of {group.count}, e.g. "
+            f"{batch_size - batch_size % group.count or group.count}."
         )
     return _wrap(
         adapter,

@@ -1,4 +1,5 @@
-"""A replica's rows of the random numbers one process draws ("stream and slice").
+"""A replica's rows of the random numbers one process draws ("stream and
+slice").
 
 Each data-parallel replica computes on its rows of the global batch. A
 random draw shaped like that batch (a dropout mask, GaussianNoise's

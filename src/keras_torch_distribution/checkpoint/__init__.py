@@ -45,8 +45,6 @@ Modules, bottom first (a module imports only those above it):
 
 from keras_torch_distribution.checkpoint._dcp import PendingCheckpoint
 from keras_torch_distribution.checkpoint._dcp import async_save
-from keras_torch_distribution.checkpoint._dcp import complete_at_exit
-from keras_torch_distribution.checkpoint._dcp import forget_process_groups
 from keras_torch_distribution.checkpoint._dcp import load
 from keras_torch_distribution.checkpoint._dcp import read_extra
 from keras_torch_distribution.checkpoint._dcp import save
@@ -64,9 +62,6 @@ from keras_torch_distribution.checkpoint._files import is_checkpoint
 from keras_torch_distribution.checkpoint._files import read_marker
 from keras_torch_distribution.checkpoint._keys import variables_by_key
 from keras_torch_distribution.checkpoint.callbacks import ShardedCheckpoint
-from keras_torch_distribution.checkpoint.callbacks import backup_load
-from keras_torch_distribution.checkpoint.callbacks import backup_save
-from keras_torch_distribution.checkpoint.callbacks import backup_train_end
 from keras_torch_distribution.checkpoint.callbacks import latest
 
 __all__ = [
@@ -83,9 +78,6 @@ __all__ = [
     "ShardedCheckpoint",
     "UnsafeCheckpointError",
     "async_save",
-    "backup_load",
-    "backup_save",
-    "backup_train_end",
     "is_checkpoint",
     "latest",
     "load",

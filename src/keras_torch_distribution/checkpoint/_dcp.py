@@ -21,6 +21,8 @@
 `result()` is completed (with a warning) when the interpreter exits.
 """
 
+from __future__ import annotations
+
 import contextlib
 import inspect
 import json
@@ -29,6 +31,8 @@ import pickle
 import threading
 import warnings
 import zlib
+from typing import TYPE_CHECKING
+from typing import Any
 
 import keras
 import torch
@@ -49,6 +53,9 @@ from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 # Computing checksums while saving; off only to measure what they cost
 # (benchmarks/checkpoint_checksum.py).
@@ -116,8 +123,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         raise UnsafeCheckpointError(
             f"{self._path!r} holds a persistent reference ({pid!r}), which the "
-            "metadata of a checkpoint written by keras_torch_distribution never "
-            "holds; refused.",
+            "metadata of a checkpoint written by keras_torch_distribution "
+            "never holds; refused.",
             self._path,
             0,
         )
@@ -133,7 +140,9 @@ def _unsafe(path, what):
     )
 
 
-def read_metadata(directory, marker):
+def read_metadata(
+    directory: str, marker: dict[str, Any]
+) -> dcp_metadata.Metadata:
     """DCP's Metadata of the checkpoint in `directory`, unpickled with the
     restricted unpickler after its size and checksum are verified, and
     checked: every entry a tensor, every file one the marker lists."""
@@ -397,7 +406,9 @@ class _OneProcessIsIntended(warnings.catch_warnings):
         result = super().__enter__()
         warnings.filterwarnings(
             "ignore",
-            message="torch.distributed is disabled, unavailable or uninitialized",
+            message=(
+                "torch.distributed is disabled, unavailable or uninitialized"
+            ),
         )
         return result
 
@@ -445,7 +456,12 @@ def _begin_save(model, path, optimizer, extra, group=None):
     return path, variables, _marker(variables, optimizer, extra)
 
 
-def save(model, path, optimizer=True, extra=None):
+def save(
+    model: keras.Model,
+    path: str | os.PathLike[str],
+    optimizer: bool = True,
+    extra: Any = None,
+) -> str:
     """Save `model` (and its optimizer) as a sharded checkpoint at `path`.
 
     Each rank writes only the shards it holds; replicated variables are
@@ -454,6 +470,17 @@ def save(model, path, optimizer=True, extra=None):
     existing checkpoint there is replaced only once the new one is complete.
     Raises CheckpointWriteError naming the file, the rank and the operating
     system's error when a rank cannot write. Collective: call on every rank.
+
+    Args:
+        model: the built `keras.Model` to save.
+        path: the checkpoint's directory.
+        optimizer: whether to save the model's optimizer state too (when
+            the model has a built optimizer).
+        extra: JSON-serializable data stored with the checkpoint (for
+            example the epoch and step to resume from), returned by `load`.
+
+    Returns:
+        The checkpoint's directory, as an absolute path.
     """
     path, variables, marker = _begin_save(model, path, optimizer, extra)
     writer = _Writer(path + _files.INCOMPLETE_SUFFIX)
@@ -526,11 +553,13 @@ class StagingMemory:
     Without CUDA (nothing to pin) or on a torch without these, each save
     stages into fresh memory as torch's FileSystemWriter does."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.stager = None
         self.structure = None  # of the state dict `stager` holds a copy of
 
-    def stager_for(self, state_dict):
+    def stager_for(
+        self, state_dict: dict[str, torch.Tensor]
+    ) -> dcp_staging.BlockingAsyncStager | None:
         """The stager for `state_dict`, or None (the writer stages)."""
         if not pinned_staging_available():
             return None
@@ -542,14 +571,14 @@ class StagingMemory:
             self.structure = structure
         return self.stager
 
-    def clear(self):
+    def clear(self) -> None:
         self.stager = self.structure = None
 
 
 staging_memory = StagingMemory()
 
 
-def pinned_staging_available():
+def pinned_staging_available() -> bool:
     """True where async saves stage into reused pinned memory: this torch
     has the stager, and the values are on CUDA (CPU memory needs no
     staging copy pinned for a device)."""
@@ -580,7 +609,14 @@ class PendingCheckpoint:
     no checkpoint. One never completed is completed when the interpreter
     exits, with a warning. Collective: call `result()` on every rank."""
 
-    def __init__(self, future, path, marker, group, writer):
+    def __init__(
+        self,
+        future: Future,
+        path: str,
+        marker: dict[str, Any],
+        group: dist.ProcessGroup | None,
+        writer: _Writer,
+    ) -> None:
         self._future = future
         self.path = path
         self._marker = marker
@@ -589,13 +625,17 @@ class PendingCheckpoint:
         self._done = False
         self._lock = threading.Lock()
 
-    def done(self):
+    def done(self) -> bool:
         """True once this rank's files are written (no collective)."""
         return self._future.done()
 
-    def result(self):
+    def result(self) -> str:
         """Wait for every rank's files, then complete the checkpoint.
-        Collective: call on every rank."""
+        Collective: call on every rank.
+
+        Returns:
+            The checkpoint's directory, complete.
+        """
         with self._lock:
             if not self._done:
                 with _unfinished_lock:
@@ -616,7 +656,12 @@ class PendingCheckpoint:
         return self.path
 
 
-def async_save(model, path, optimizer=True, extra=None):
+def async_save(
+    model: keras.Model,
+    path: str | os.PathLike[str],
+    optimizer: bool = True,
+    extra: Any = None,
+) -> PendingCheckpoint:
     """Like `save`, but returns after copying the values into CPU memory
     (on CUDA, pinned memory reused by the next saves: `StagingMemory`;
     pending saves then complete before the next one copies); the files are
@@ -627,6 +672,18 @@ def async_save(model, path, optimizer=True, extra=None):
     is the checkpoint complete (a later save to the same path completes it
     first; one still pending at exit is completed then, with a warning).
     Collective: call on every rank.
+
+    Args:
+        model: the built `keras.Model` to save.
+        path: the checkpoint's directory.
+        optimizer: whether to save the model's optimizer state too (when
+            the model has a built optimizer).
+        extra: JSON-serializable data stored with the checkpoint (for
+            example the epoch and step to resume from), returned by `load`.
+
+    Returns:
+        A `PendingCheckpoint`; its `result()` (on every rank) completes the
+        checkpoint and returns its directory.
     """
     group = _async_process_group()
     path, variables, marker = _begin_save(model, path, optimizer, extra, group)
@@ -671,7 +728,7 @@ def _complete_pending_for(path):
         handle.result()
 
 
-def complete_at_exit():
+def complete_at_exit() -> None:
     """Complete every async save whose `result()` was never called, loudly.
     The first step of the package's exit sequence (`_install.exit_sequence`),
     before the process group goes. Collective (every rank has the same
@@ -708,7 +765,7 @@ def complete_at_exit():
             )
 
 
-def forget_process_groups():
+def forget_process_groups() -> None:
     """Drop the background-save group once the process group is destroyed
     (it is dead then), so that torch frees it while the interpreter runs;
     and the staging memory with it."""
@@ -716,7 +773,9 @@ def forget_process_groups():
     staging_memory.clear()
 
 
-def load(model, path, optimizer=True):
+def load(
+    model: keras.Model, path: str | os.PathLike[str], optimizer: bool = True
+) -> Any:
     """Load the checkpoint at `path` into `model` (and its optimizer); return
     the `extra` it was saved with.
 
@@ -733,6 +792,15 @@ def load(model, path, optimizer=True):
     wrote it) for a damaged one, UnsafeCheckpointError for metadata that
     refers to anything else, and CheckpointMismatchError listing missing,
     unexpected and mis-shaped variables. Collective: call on every rank.
+
+    Args:
+        model: the built `keras.Model` to load into.
+        path: the checkpoint's directory.
+        optimizer: whether to load the optimizer state too (when the
+            checkpoint holds it).
+
+    Returns:
+        The `extra` the checkpoint was saved with (None when none was).
     """
     path = _files.normalize(path)
 
@@ -769,6 +837,6 @@ def load(model, path, optimizer=True):
     return marker.get("extra")
 
 
-def read_extra(path):
+def read_extra(path: str | os.PathLike[str]) -> Any:
     """The `extra` a checkpoint was saved with (no collective)."""
     return _files.read_marker(path).get("extra")

@@ -351,10 +351,13 @@ def prepare_directory(path, group=None):
             os.makedirs(path + INCOMPLETE_SUFFIX)
         except OSError as error:
             raise CheckpointWriteError(
-                f"Cannot save a checkpoint to {path!r}: {type(error).__name__}: "
-                f"{error.strerror or error} ({error.filename or path!r}). Choose "
-                "a folder this job can write to, or make it writable (e.g. "
-                "`chmod u+w` on the folder).",
+                (
+                    f"Cannot save a checkpoint to {path!r}: "
+                    f"{type(error).__name__}: {error.strerror or error} "
+                    f"({error.filename or path!r}). Choose a folder this job "
+                    "can write to, or make it writable (e.g. `chmod u+w` on "
+                    "the folder)."
+                ),
                 path,
                 0,
             ) from error

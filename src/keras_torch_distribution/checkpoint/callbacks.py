@@ -1,8 +1,12 @@
-"""Callbacks: `ShardedCheckpoint`, and BackupAndRestore in multi-process runs."""
+"""Callbacks: `ShardedCheckpoint`, and BackupAndRestore in multi-process
+runs."""
+
+from __future__ import annotations
 
 import os
 import re
 import shutil
+from typing import Any
 
 import keras
 
@@ -28,7 +32,7 @@ _ANY_STATE = re.compile(
 )
 
 
-def _steps(directory):
+def _steps(directory: str) -> dict[int, str]:
     """{step: checkpoint path} of every `ckpt-<step>` name in `directory`,
     complete or not (from its own name or its leftovers)."""
     found = {}
@@ -39,7 +43,7 @@ def _steps(directory):
     return found
 
 
-def latest(directory):
+def latest(directory: str | os.PathLike[str]) -> str | None:
     """The newest complete checkpoint `ShardedCheckpoint` wrote in
     `directory` (the highest step), or None."""
     directory = _files.normalize(directory)
@@ -53,7 +57,7 @@ def latest(directory):
     return max(complete)[1] if complete else None
 
 
-def tidy(directory, max_to_keep=None):
+def tidy(directory: str, max_to_keep: int | None = None) -> None:
     """Settle every checkpoint of `directory` (finish interrupted
     replacements, remove ``*.incomplete`` left by crashed saves and other
     leftovers), then keep only the newest `max_to_keep` complete ones.
@@ -86,13 +90,13 @@ class ShardedCheckpoint(keras.callbacks.Callback):
 
     def __init__(
         self,
-        directory,
-        save_freq="epoch",
-        optimizer=True,
-        max_to_keep=None,
-        restore=False,
-        async_save=False,
-    ):
+        directory: str | os.PathLike[str],
+        save_freq: str | int = "epoch",
+        optimizer: bool = True,
+        max_to_keep: int | None = None,
+        restore: bool = False,
+        async_save: bool = False,
+    ) -> None:
         super().__init__()
         if save_freq != "epoch" and not (
             isinstance(save_freq, int) and save_freq > 0
@@ -119,7 +123,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._epoch = 0
         self._batches_since_save = 0
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._step = 0
         tidy(self.directory, self.max_to_keep)
         if self.restore:
@@ -134,10 +138,14 @@ class ShardedCheckpoint(keras.callbacks.Callback):
                     "resuming from %s (epoch %s)", found, extra.get("epoch")
                 )
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(
+        self, epoch: int, logs: dict[str, Any] | None = None
+    ) -> None:
         self._epoch = epoch
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(
+        self, batch: int, logs: dict[str, Any] | None = None
+    ) -> None:
         self._step += 1
         if self.save_freq == "epoch":
             return
@@ -146,20 +154,22 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             self._batches_since_save = 0
             self._save(epoch=self._epoch, batch=batch + 1)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(
+        self, epoch: int, logs: dict[str, Any] | None = None
+    ) -> None:
         if self.save_freq == "epoch":
             self._save(epoch=epoch + 1, batch=0)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self._complete_pending()
 
-    def _complete_pending(self):
+    def _complete_pending(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
             tidy(self.directory, self.max_to_keep)
 
-    def _save(self, epoch, batch):
+    def _save(self, epoch: int, batch: int) -> None:
         self._complete_pending()
         if runtime.process_id() == 0:
             os.makedirs(self.directory, exist_ok=True)

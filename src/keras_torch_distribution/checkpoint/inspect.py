@@ -11,7 +11,11 @@ processes, above `left_whole.SHARE` of the model's bytes, is marked
 WHOLE: every rank held it whole (see `variables.left_whole`).
 """
 
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -21,8 +25,13 @@ from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._keys import MODEL_PREFIX
 from keras_torch_distribution.variables import left_whole
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
-def verify(path):
+
+def verify(
+    path: str | os.PathLike[str],
+) -> tuple[str, dict[str, Any], Metadata]:
     """Check every file of the checkpoint at `path` (reads them all): raise
     DamagedCheckpointError naming each damaged file and its writer; return
     (directory, marker, metadata) of an intact one."""
@@ -41,7 +50,7 @@ def verify(path):
     return directory, marker, _dcp.read_metadata(directory, marker)
 
 
-def checkpoint_table(path):
+def checkpoint_table(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Per-variable rows of an intact sharded checkpoint: key, global shape,
     dtype, the blocks each writing rank stored, and whether its files were
     verified (False for a checkpoint written before checksums)."""
@@ -79,7 +88,7 @@ def checkpoint_table(path):
     return rows
 
 
-def _mark_whole(rows, num_processes):
+def _mark_whole(rows: list[dict[str, Any]], num_processes: int) -> None:
     """Set row["whole"] for large model variables written as one block by
     a checkpoint of several processes (held whole on every rank)."""
     model_rows = [r for r in rows if r["key"].startswith(MODEL_PREFIX)]
@@ -113,8 +122,12 @@ def _mark_whole(rows, num_processes):
             }
 
 
-def format_checkpoint_table(rows):
-    header = f"{'variable':44} {'global shape':>16} {'dtype':>9}  blocks (rank: offsets + shape)"
+def format_checkpoint_table(rows: list[dict[str, Any]]) -> str:
+    """The text `ktd report CHECKPOINT` prints for `checkpoint_table`'s rows."""
+    header = (
+        f"{'variable':44} {'global shape':>16} {'dtype':>9}  "
+        "blocks (rank: offsets + shape)"
+    )
     lines = [header, "-" * len(header)]
     totals = {}
     for row in rows:
@@ -123,7 +136,8 @@ def format_checkpoint_table(rows):
         )
         mark = "  WHOLE" if row.get("whole") else ""
         lines.append(
-            f"{row['key'][:44]:44} {str(row['shape']):>16} {row['dtype']:>9}  {blocks}{mark}"
+            f"{row['key'][:44]:44} {str(row['shape']):>16} "
+            f"{row['dtype']:>9}  {blocks}{mark}"
         )
         for b in row["blocks"]:
             totals[b["rank"]] = totals.get(b["rank"], 0) + (b["bytes"] or 0)
@@ -139,8 +153,9 @@ def format_checkpoint_table(rows):
         if whole:
             lines.append(
                 f"WHOLE: {row['key']} was whole on every rank "
-                f"({100 * whole['share']:.1f}% of the model's bytes); a LayoutMap "
-                f"key would shard it, e.g. layout_map[{whole['key']!r}] = "
+                f"({100 * whole['share']:.1f}% of the model's bytes); a "
+                "LayoutMap key would shard it, e.g. "
+                f"layout_map[{whole['key']!r}] = "
                 f"{whole['axes']} (the batch axis named as in your mesh)"
             )
     if rows and all(row.get("verified") for row in rows):

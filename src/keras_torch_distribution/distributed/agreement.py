@@ -240,12 +240,12 @@ def _sides(values):
 
 def _different_programs(doings):
     return (
-        f"Ranks are running different programs: {_sides(doings)}. Under a distribution, "
-        "every rank must build the same models in the same order and call "
-        "fit / evaluate / predict together (building a model on some ranks "
-        "only makes a collective that the others never join). Make the "
-        "differing step the same on every rank, or build a model meant for "
-        "one rank only outside the distribution (before "
+        f"Ranks are running different programs: {_sides(doings)}. Under a "
+        "distribution, every rank must build the same models in the same order "
+        "and call fit / evaluate / predict together (building a model on some "
+        "ranks only makes a collective that the others never join). Make the "
+        "differing step the same on every rank, or build a model meant for one "
+        "rank only outside the distribution (before "
         "keras.distribution.set_distribution, or after set_distribution(None))."
     )
 
@@ -261,9 +261,9 @@ def first_difference(descriptions, doing):
         if len(set(values)) == 1:
             continue
         return (
-            f"{doing} differs between ranks in {name}: {_sides(values)}. Every rank "
-            "must run the same program on the same distribution, model and "
-            "input sizes (per-process inputs with auto_shard_dataset=False "
+            f"{doing} differs between ranks in {name}: {_sides(values)}. Every "
+            "rank must run the same program on the same distribution, model "
+            "and input sizes (per-process inputs with auto_shard_dataset=False "
             "must have the same number of rows on every rank). Make the "
             "differing value the same on every rank."
         )

@@ -10,6 +10,14 @@ package's flat gathers; `all_reduce`), and the functional ones DTensor
 redistributions issue. (Torch's `CommDebugMode` does the same, but its
 module tracker fails on nested Keras layers.) Counts are per call on this
 rank; a collective not named here is counted under its own op name.
+
+    with collective_counts.tally() as tally:
+        model.train_function(batch)
+    tally.counts, tally.bytes  # bytes: the full buffer of each call, summed
+
+A call's bytes are those of its largest tensor argument or result (a list
+of tensors counts as their sum): the gathered output of an all-gather, the
+input of a reduce-scatter, the tensor of an all-reduce or broadcast.
 """
 
 import contextlib
@@ -61,9 +69,10 @@ class _Counter(TorchDispatchMode):
     DTensors are left to DTensor first (NotImplemented), so that the
     collectives they desugar into are seen, as torch's CommDebugMode does."""
 
-    def __init__(self, counts):
+    def __init__(self, counts, sizes=None):
         super().__init__()
         self.counts = counts
+        self.sizes = sizes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -76,7 +85,24 @@ class _Counter(TorchDispatchMode):
             if name not in _NOT_COUNTED:
                 kind = _KIND_OF.get(name, name)
                 self.counts[kind] = self.counts.get(kind, 0) + 1
+                if self.sizes is not None:
+                    result = func(*args, **kwargs)
+                    self.sizes[kind] = self.sizes.get(kind, 0) + max(
+                        [_nbytes(a) for a in args] + [_nbytes(result)]
+                    )
+                    return result
         return func(*args, **kwargs)
+
+
+def _nbytes(value):
+    """Bytes of a tensor, or of the tensors of a list or tuple; 0 else."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(
+            _nbytes(v) for v in value if isinstance(v, (torch.Tensor, list))
+        )
+    return 0
 
 
 @contextlib.contextmanager
@@ -87,3 +113,21 @@ def counting():
     counts = {kind: 0 for kind in KINDS}
     with _Counter(counts):
         yield counts
+
+
+class Tally:
+    """Collectives of a block by kind: `counts` (calls) and `bytes` (each
+    call's full buffer, summed); every kind of KINDS present (0 when none)."""
+
+    def __init__(self):
+        self.counts = {kind: 0 for kind in KINDS}
+        self.bytes = {kind: 0 for kind in KINDS}
+
+
+@contextlib.contextmanager
+def tally():
+    """Within the block, count the collectives issued on this rank and
+    their bytes (see the module docstring); yields a `Tally`."""
+    result = Tally()
+    with _Counter(result.counts, result.bytes):
+        yield result

@@ -1,11 +1,15 @@
-"""Keras `DeviceMesh` / `TensorLayout` onto torch `DeviceMesh` / DTensor placements.
+"""Keras `DeviceMesh` / `TensorLayout` onto torch `DeviceMesh` / DTensor
+placements.
 
 A Keras device is a string "cpu:R" or "gpu:R" where R is the global rank of
 the process that owns it (one device per process, as torchrun runs them).
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,6 +19,14 @@ from torch.distributed.tensor import Shard
 
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import warn_once
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from keras.distribution import DeviceMesh
+    from keras.distribution import TensorLayout
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Placement
 
 
 class TorchMeshCache:
@@ -62,7 +74,7 @@ class TorchMeshCache:
 torch_meshes = TorchMeshCache()
 
 
-def device_rank(device):
+def device_rank(device: str) -> int:
     """Global rank of a Keras device string such as "gpu:3" (3)."""
     text = str(device)
     kind, _, index = text.partition(":")
@@ -75,7 +87,9 @@ def device_rank(device):
     return int(index)
 
 
-def mesh_key(keras_mesh):
+def mesh_key(
+    keras_mesh: DeviceMesh,
+) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
     """The configuration that identifies a mesh: shape, axis names, ranks."""
     devices = [str(d) for d in keras_mesh.devices.flatten()]
     return (
@@ -85,7 +99,7 @@ def mesh_key(keras_mesh):
     )
 
 
-def to_torch_mesh(keras_mesh):
+def to_torch_mesh(keras_mesh: DeviceMesh) -> TorchDeviceMesh:
     """The torch DeviceMesh of a Keras DeviceMesh, built once per configuration.
 
     Collective (the first time a configuration is seen): call on every rank.
@@ -113,11 +127,11 @@ def to_torch_mesh(keras_mesh):
         )
     if device_type == "cpu" and runtime.uses_cuda():
         raise ValueError(
-            f"DeviceMesh devices {list(devices)} are CPUs, but this run computes "
-            "on CUDA (Keras' tensors are CUDA tensors, which a 'cpu' mesh cannot "
-            "hold). Use keras.distribution.list_devices() for this run's devices "
-            "('gpu:R'), or set KTD_DEVICE=cpu before the processes start to run "
-            "on CPU processes (gloo)."
+            f"DeviceMesh devices {list(devices)} are CPUs, but this run "
+            "computes on CUDA (Keras' tensors are CUDA tensors, which a 'cpu' "
+            "mesh cannot hold). Use keras.distribution.list_devices() for "
+            "this run's devices ('gpu:R'), or set KTD_DEVICE=cpu before the "
+            "processes start to run on CPU processes (gloo)."
         )
     rank_grid = torch.tensor(ranks, dtype=torch.int64).reshape(shape)
     _check_rank_order(rank_grid, axis_names, devices)
@@ -126,7 +140,7 @@ def to_torch_mesh(keras_mesh):
     return mesh
 
 
-def check_mesh(keras_mesh, world):
+def check_mesh(keras_mesh: DeviceMesh, world: int) -> None:
     """Refuse a mesh that does not hold each of the `world` processes once
     (one device per process) or that repeats an axis name."""
     shape, axis_names, devices = mesh_key(keras_mesh)
@@ -173,7 +187,9 @@ def _check_rank_order(rank_grid, axis_names, devices):
             )
 
 
-def placements_for(axes, axis_names):
+def placements_for(
+    axes: Sequence[str | Sequence[str] | None], axis_names: Sequence[str]
+) -> tuple[Placement, ...]:
     """DTensor placements (one per mesh axis) for a Keras layout's `axes`.
 
     `axes[d]` names the mesh axis (or a tuple of axes, major first) that
@@ -214,18 +230,25 @@ def placements_for(axes, axis_names):
 
 @dataclass(frozen=True)
 class TorchLayout:
-    """A Keras TensorLayout in torch terms: a mesh and one placement per axis."""
+    """A Keras TensorLayout in torch terms: a mesh and one placement per
+    axis."""
 
     mesh: TorchDeviceMesh
-    placements: tuple
-    axes: tuple
+    # One per mesh axis (Shard(dim) or Replicate()).
+    placements: tuple[Placement, ...]
+    # The Keras layout's axes: one entry per tensor dim, a mesh axis name,
+    # a tuple of them (major first) or None.
+    axes: tuple[str | tuple[str, ...] | None, ...]
 
     @property
-    def is_sharded(self):
+    def is_sharded(self) -> bool:
+        """True when a placement shards a dim."""
         return any(isinstance(p, Shard) for p in self.placements)
 
 
-def without_axis(torch_layout, axis_name):
+def without_axis(
+    torch_layout: TorchLayout, axis_name: str | None
+) -> TorchLayout:
     """`torch_layout` with nothing sharded on the mesh axis `axis_name`."""
     names = tuple(torch_layout.mesh.mesh_dim_names or ())
     if axis_name not in names:
@@ -246,8 +269,10 @@ def _drop_name(entry, name):
     return None if entry == name else entry
 
 
-def to_torch_layout(keras_layout):
-    """Collective the first time its mesh is seen: call on every rank."""
+def to_torch_layout(keras_layout: TensorLayout) -> TorchLayout:
+    """The TorchLayout of a Keras TensorLayout (its mesh built once per
+    configuration). Collective the first time its mesh is seen: call on
+    every rank."""
     if keras_layout.device_mesh is None:
         raise ValueError(
             f"TensorLayout axes={keras_layout.axes} has no device mesh. Give "
@@ -261,7 +286,9 @@ def to_torch_layout(keras_layout):
     )
 
 
-def check_rank(layout, shape, what):
+def check_rank(
+    layout: TorchLayout | TensorLayout, shape: Sequence[int], what: str
+) -> None:
     """Refuse a layout with more entries than `shape` has dims.
 
     A shorter layout is read as a prefix, as JAX reads a PartitionSpec: its
@@ -273,11 +300,14 @@ def check_rank(layout, shape, what):
             f"entries, but {what} has shape {tuple(shape)} (rank "
             f"{len(shape)}). Give the layout one entry (an axis name or None) "
             "per dim, or fewer: a shorter layout lays out the leading dims "
-            f"and replicates the rest (e.g. {tuple(layout.axes)[: len(shape)]})."
+            "and replicates the rest "
+            f"(e.g. {tuple(layout.axes)[: len(shape)]})."
         )
 
 
-def for_variable(torch_layout, shape, what):
+def for_variable(
+    torch_layout: TorchLayout, shape: Sequence[int], what: str
+) -> TorchLayout:
     """The layout of a variable of `shape` under `torch_layout`.
 
     Refuses a layout longer than the shape; a shorter one lays out the
@@ -331,7 +361,7 @@ def _axes_of(placements, axis_names, rank):
     )
 
 
-def uneven_dims(value):
+def uneven_dims(value: DTensor) -> list[tuple[int, int, int]]:
     """[(dim, size, processes)] of the dims a DTensor shards unevenly."""
     pieces = {}
     for axis, placement in enumerate(value.placements):
@@ -346,7 +376,12 @@ def uneven_dims(value):
     ]
 
 
-def local_box(global_shape, mesh, placements, coordinate=None):
+def local_box(
+    global_shape: Sequence[int],
+    mesh: TorchDeviceMesh,
+    placements: Sequence[Placement],
+    coordinate: Sequence[int] | None = None,
+) -> tuple[tuple[int, int], ...]:
     """This rank's block of a tensor (or the block of the process at mesh
     `coordinate`): one (start, stop) per dim.
 
@@ -370,11 +405,11 @@ def local_box(global_shape, mesh, placements, coordinate=None):
     return tuple((lo, hi) for lo, hi in box)
 
 
-def box_slices(box):
+def box_slices(box: Sequence[tuple[int, int]]) -> tuple[slice, ...]:
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
-def contiguous_stride(shape):
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride = []
     step = 1
     for n in reversed(shape):

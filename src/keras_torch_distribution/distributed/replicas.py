@@ -7,11 +7,14 @@ all-reduce over the batch process group.
 
 The batch axis is always data, as on JAX, also when variables are sharded
 on it (Keras' ModelParallel on a 1-D "model" mesh uses its only axis for
-both): those variables are FSDP (`fsdp.gathering`), gathered along the batch axis
-for use, while each replica computes on its own rows.
+both): those variables are FSDP (`fsdp.gathering`), gathered along the
+batch axis for use, while each replica computes on its own rows.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -19,15 +22,24 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import runtime
 
+if TYPE_CHECKING:
+    from keras.distribution import DataParallel
+    from keras.distribution import ModelParallel
+
 
 @dataclass(frozen=True)
 class Replicas:
+    """The data-parallel replicas of a distribution, seen from this
+    process."""
+
     count: int  # number of data-parallel replicas
     index: int  # this process's replica (its data shard)
-    group: object  # process group over the batch axis (None when count == 1)
+    # process group over the batch axis (None when count == 1)
+    group: dist.ProcessGroup | None
 
     @property
-    def is_distributed(self):
+    def is_distributed(self) -> bool:
+        """True when there is more than one replica."""
         return self.count > 1
 
 
@@ -45,10 +57,10 @@ class ReplicasCache:
     process group (destroyed and started again) is a new world group.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.clear()
 
-    def clear(self):
+    def clear(self) -> None:
         self.by_key = {}  # (mesh_key, batch axis) -> Replicas
         self.last = (None, None, None)  # (distribution, world group, Replicas)
 
@@ -56,7 +68,7 @@ class ReplicasCache:
 cache = ReplicasCache()
 
 
-def current():
+def current() -> Replicas:
     """The replicas of the current distribution (one when there is none)."""
     distribution = _keras.current_distribution()
     if distribution is None:
@@ -79,7 +91,7 @@ def current():
     return replicas
 
 
-def _build(distribution):
+def _build(distribution: DataParallel | ModelParallel) -> Replicas:
     keras_mesh = distribution.device_mesh
     axis_names = list(keras_mesh.axis_names)
     batch_axis = distribution.batch_dim_name
@@ -120,18 +132,20 @@ class BatchWeight:
     (train_on_batch after a fit whose last batch was partial, direct calls).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.value = 1.0
         self.rows = None
 
-    def set(self, value, rows=None):
+    def set(
+        self, value: float, rows: tuple[int, int, int] | None = None
+    ) -> None:
         self.value = float(value)
         self.rows = rows
 
-    def reset(self):
+    def reset(self) -> None:
         self.value = 1.0
 
-    def forget(self):
+    def forget(self) -> None:
         self.value = 1.0
         self.rows = None
 
@@ -141,6 +155,6 @@ class BatchWeight:
 batch_weight = BatchWeight()
 
 
-def batch_scale():
+def batch_scale() -> float:
     """The current batch's weight (see BatchWeight)."""
     return batch_weight.value

@@ -17,11 +17,14 @@ launcher's environment says this process is one of several (never starting
 processes then).
 """
 
+from __future__ import annotations
+
 import datetime
 import inspect
 import os
 import socket
 import threading
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import torch
@@ -34,6 +37,9 @@ from keras_torch_distribution.launch import environments
 from keras_torch_distribution.launch import spawn
 from keras_torch_distribution.log import logger
 
+if TYPE_CHECKING:
+    from keras_torch_distribution.launch.record import Launch
+
 DEFAULT_TIMEOUT_SECONDS = _env.DEFAULT_TIMEOUT_SECONDS
 timeout_seconds = _env.timeout_seconds
 # torchrun's default MASTER_PORT, used for job_addresses given without a port.
@@ -44,11 +50,12 @@ _RENDEZVOUS_GRACE_SECONDS = 2.0
 _DEVICE_TYPES = ("cpu", "gpu")
 
 
-def is_initialized():
+def is_initialized() -> bool:
+    """True when torch.distributed's process group is running."""
     return dist.is_available() and dist.is_initialized()
 
 
-def uses_cuda():
+def uses_cuda() -> bool:
     """True when this process computes on CUDA: CUDA is available and
     KTD_DEVICE=cpu does not ask for CPU processes. Under KTD_DEVICE=cpu,
     Keras' own torch device is made "cpu" too (`keep_keras_on_cpu`), so
@@ -59,7 +66,7 @@ def uses_cuda():
     return torch.cuda.is_available()
 
 
-def keep_keras_on_cpu():
+def keep_keras_on_cpu() -> None:
     """Make Keras' torch backend compute on the CPU (KTD_DEVICE=cpu): on a
     CUDA machine Keras otherwise puts every tensor on "cuda", which the
     gloo process group of a KTD_DEVICE=cpu run cannot carry. Refuses a
@@ -85,13 +92,17 @@ def _backend():
     return "cpu:gloo,cuda:nccl" if uses_cuda() else "gloo"
 
 
-def local_device_count():
+def local_device_count() -> int:
     """The accelerators this process could use: the visible CUDA devices,
     or 0 on CPU (and with KTD_DEVICE=cpu)."""
     return torch.cuda.device_count() if uses_cuda() else 0
 
 
-def detect_launch(job_addresses=None, num_processes=None, process_id=None):
+def detect_launch(
+    job_addresses: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> Launch:
     """What `initialize()` would do in this process, starting nothing: a
     `launch.environments.Launch` (which launcher, address, port, world,
     rank, local rank, or the processes it would start). `ktd env` shows it.
@@ -105,7 +116,11 @@ def detect_launch(job_addresses=None, num_processes=None, process_id=None):
     )
 
 
-def initialize(job_addresses=None, num_processes=None, process_id=None):
+def initialize(
+    job_addresses: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
     """Start torch.distributed. Idempotent.
 
     With no arguments, joins the job that started this process (torchrun,
@@ -115,6 +130,26 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
     local GPUs or `num_processes=N` (no address), one process per device /
     N processes running this script, and this process exits with them.
     Collective: call on every rank.
+
+    Args:
+        job_addresses: process 0's address, `"host:port"` (`"host"`: port
+            `DEFAULT_PORT`; a comma-separated list of every process's,
+            whose first is process 0's), or a torch init URL such as
+            `"tcp://host:port"` or `"file:///path"`. `None`:
+            KERAS_DISTRIBUTION_JOB_ADDRESSES, or what the launcher's
+            environment says.
+        num_processes: the number of processes of the job. `None`:
+            KERAS_DISTRIBUTION_NUM_PROCESSES, or what the launcher's
+            environment says.
+        process_id: this process's rank in `[0, num_processes)`. `None`:
+            KERAS_DISTRIBUTION_PROCESS_ID, or what the launcher's
+            environment says.
+
+    Raises:
+        ValueError: the arguments disagree with each other, with the
+            launcher's environment or with the running process group.
+        RuntimeError: the process group could not start (the message
+            names what was tried and the fix).
     """
     _start(job_addresses, num_processes, process_id)
 
@@ -133,9 +168,9 @@ def _start(
         launch = _start_processes_or_fall_back(launch, first_use)
     if first_use and launch.start == environments.JOIN:
         logger.info(
-            "keras.distribution.initialize() was not called: %s starts the process "
-            "group now from the launcher's environment (RANK=%d, WORLD_SIZE=%d, "
-            "MASTER_ADDR=%s, MASTER_PORT=%s; %s)",
+            "keras.distribution.initialize() was not called: %s starts the "
+            "process group now from the launcher's environment (RANK=%d, "
+            "WORLD_SIZE=%d, MASTER_ADDR=%s, MASTER_PORT=%s; %s)",
             first_use,
             launch.rank,
             launch.world,
@@ -208,11 +243,13 @@ def _start_processes_or_fall_back(launch, first_use):
     alone = (
         "alone"
         if fallback.world == 1
-        else f"as rank {fallback.rank} of {fallback.world}, one process per node"
+        else (
+            f"as rank {fallback.rank} of {fallback.world}, one process per node"
+        )
     )
     logger.warning(
-        "%d processes could run on this node (%s: one per device), but %s: this "
-        "process runs %s, on one device. %s to use every device.",
+        "%d processes could run on this node (%s: one per device), but %s: "
+        "this process runs %s, on one device. %s to use every device.",
         n,
         launch.environment,
         reason,
@@ -241,20 +278,20 @@ class StartedGroup:
     destroys only what it started; a group the application started is the
     application's to destroy)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.clear()
 
-    def clear(self):
+    def clear(self) -> None:
         self.group = None  # the world group this package started
 
-    def is_running(self):
+    def is_running(self) -> bool:
         return is_initialized() and dist.group.WORLD is self.group
 
 
 started = StartedGroup()
 
 
-def shutdown():
+def shutdown() -> bool:
     """Destroy the process group this package started, with every group
     torch made on it (the meshes' and the checkpoint writer's). A group the
     application started is left alone. True when it destroyed one.
@@ -374,7 +411,8 @@ def _rendezvous(init_method, rank, world_size, timeout):
         raise outcome["error"]
     if "result" not in outcome:
         raise TimeoutError(
-            f"no torch.distributed store answered at {_coordinator(init_method)}."
+            "no torch.distributed store answered at "
+            f"{_coordinator(init_method)}."
         )
     return outcome["result"]
 
@@ -434,7 +472,8 @@ def _start_failure_message(error, where):
         )
     return (
         f"torch.distributed could not start process {rank} of {world} at "
-        f"{shown} within KTD_TIMEOUT_SECONDS={seconds:g} s: {first_line} {advice}"
+        f"{shown} within KTD_TIMEOUT_SECONDS={seconds:g} s: {first_line} "
+        f"{advice}"
     )
 
 
@@ -453,10 +492,11 @@ class CpuGroup:
     object collectives and barriers need no current CUDA device.
     """
 
-    def __init__(self):
-        self._groups = {}  # world group -> the group for CPU tensors (why: made once)
+    def __init__(self) -> None:
+        # world group -> the group for CPU tensors (why: made once)
+        self._groups = {}
 
-    def get(self):
+    def get(self) -> dist.ProcessGroup:
         """Collective the first time for a world group without a CPU
         backend (it makes a group): call on every rank."""
         world = dist.group.WORLD
@@ -471,20 +511,20 @@ class CpuGroup:
             self._groups[world] = group
         return group
 
-    def clear(self):
+    def clear(self) -> None:
         self._groups.clear()
 
 
 _cpu_group = CpuGroup()
 
 
-def cpu_group():
+def cpu_group() -> dist.ProcessGroup:
     """The process group for collectives on CPU tensors (see `CpuGroup`).
     Collective the first time (when it makes a group): call on every rank."""
     return _cpu_group.get()
 
 
-def carries_cpu_tensors(group):
+def carries_cpu_tensors(group: dist.ProcessGroup) -> bool:
     """True when `group` has a backend for CPU tensors."""
     device_types = getattr(group, "_device_types", None)
     if device_types is not None:
@@ -493,7 +533,7 @@ def carries_cpu_tensors(group):
     return backend in ("gloo", "mpi") or "cpu:" in backend
 
 
-def ensure_initialized(use="a DeviceMesh"):
+def ensure_initialized(use: str = "a DeviceMesh") -> int:
     """World size, starting the process group if it is not running yet.
 
     In a plain `python` run that is a world of one process; under a
@@ -506,29 +546,42 @@ def ensure_initialized(use="a DeviceMesh"):
     return dist.get_world_size()
 
 
-def num_processes():
-    """The number of processes in the running process group (1 when none
-    has started), as `jax.process_count()`."""
+def num_processes() -> int:
+    """Return the number of processes for the current distribution setting.
+
+    The number of processes in the running process group (1 when none has
+    started), as `jax.process_count()`.
+
+    Returns:
+        The world size of the running process group, or 1.
+    """
     if is_initialized():
         return dist.get_world_size()
     return 1
 
 
-def is_multi_process():
+def is_multi_process() -> bool:
     """True when this process is one of several in a running process
     group: the test for collectives, barriers and per-rank files."""
     return num_processes() > 1
 
 
-def process_id():
-    """This process's rank in the running process group (0 when none has
-    started), as `jax.process_index()`."""
+def process_id() -> int:
+    """Return the current process ID for the distribution setting.
+
+    This process's rank in the running process group (0 when none has
+    started), as `jax.process_index()`.
+
+    Returns:
+        The global rank of this process, or 0.
+    """
     if is_initialized():
         return dist.get_rank()
     return 0
 
 
-def default_device_type():
+def default_device_type() -> str:
+    """ "gpu" when this process computes on CUDA, else "cpu"."""
     return "gpu" if uses_cuda() else "cpu"
 
 
@@ -545,11 +598,25 @@ def _normalize_device_type(device_type):
     return kind
 
 
-def list_devices(device_type=None):
+def list_devices(device_type: str | None = None) -> list[str]:
     """One device per process, named by global rank: ["cpu:0", "cpu:1", ...].
 
     Under a launcher, starts the process group if it is not running yet
     (collective then: call on every rank).
+
+    Args:
+        device_type: `"cpu"`, `"gpu"` (or `"cuda"`) or `"tpu"`. Defaults
+            to this run's devices: `"gpu"` when the processes compute on
+            CUDA, else `"cpu"`.
+
+    Returns:
+        The global devices, one per process: `"<type>:<rank>"` for each
+        rank of the running process group (one when none runs); an empty
+        list for `"tpu"`, and for `"gpu"` on a CPU run.
+
+    Raises:
+        ValueError: `device_type` is none of these, or asks for CPU devices
+            in a run that computes on CUDA.
     """
     kind = _normalize_device_type(device_type)
     if kind == "tpu" or (kind == "gpu" and not uses_cuda()):
@@ -568,5 +635,17 @@ def list_devices(device_type=None):
     return [f"{kind}:{rank}" for rank in range(num_processes())]
 
 
-def get_device_count(device_type=None):
+def get_device_count(device_type: str | None = None) -> int:
+    """Return the total number of devices of a type.
+
+    Under a launcher, starts the process group if it is not running yet
+    (collective then: call on every rank).
+
+    Args:
+        device_type: as for `list_devices`. Defaults to this run's devices.
+
+    Returns:
+        The number of devices `list_devices(device_type)` lists: one per
+        process, or 0.
+    """
     return len(list_devices(device_type))

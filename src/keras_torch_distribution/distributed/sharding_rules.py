@@ -660,9 +660,9 @@ def _dispatcher_tables():
     ):
         raise RuntimeError(
             f"torch {torch.__version__}: DTensor's op dispatcher has no "
-            "_custom_op_handlers or single-dim strategies; keras_torch_distribution "
-            "supports torch>=2.11,<2.16 (tested on 2.11.0, 2.13.0 and 2.15.0). "
-            "Install torch==2.15.0."
+            "_custom_op_handlers or single-dim strategies; "
+            "keras_torch_distribution supports torch>=2.11,<2.16 (tested on "
+            "2.11.0, 2.13.0 and 2.15.0). Install torch==2.15.0."
         )
     return propagator, handlers
 

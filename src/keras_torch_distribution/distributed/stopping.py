@@ -83,11 +83,14 @@ def ends_together(batches):
         if missing:
             if len(missing) < runtime.num_processes():
                 warn_on_every_rank(
-                    "Rank(s) %s ran out of input after %d batches while other "
-                    "ranks had more: every rank ends this pass over the data "
-                    "there, and the others' remaining batches are not used. "
-                    "Give every process the same number of batches (per-process "
-                    "inputs are each process's part of every global batch).",
+                    (
+                        "Rank(s) %s ran out of input after %d batches while "
+                        "other ranks had more: every rank ends this pass over "
+                        "the data there, and the others' remaining batches are "
+                        "not used. Give every process the same number of "
+                        "batches (per-process inputs are each process's part "
+                        "of every global batch)."
+                    ),
                     missing,
                     position,
                 )

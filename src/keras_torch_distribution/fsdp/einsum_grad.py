@@ -5,10 +5,10 @@ a permutation cannot be a view, the reshape copies, and autograd saves that
 copy for backward. Keras' `EinsumDense` (keras_hub's attention projections:
 "btd,dnh->btnh", "btnh,nhd->btd") then keeps a private copy of a gathered
 FSDP kernel from forward to backward, out of reach of the regathering in
-`fsdp.gathering` (which recognises views of gathered weights only): every attention
-kernel of the model, gathered whole, alive at once between forward and
-backward (measured in `benchmarks/scale.py`: four 16 MiB copies per
-decoder block of a 2048-wide Llama).
+`fsdp.gathering` (which recognises views of gathered weights only): every
+attention kernel of the model, gathered whole, alive at once between forward and
+backward (measured in `benchmarks/scale.py`: four 16 MiB copies per decoder
+block of a 2048-wide Llama).
 
 While variables are sharded on the batch axis (`gathering.plans_exist()`),
 Keras' torch `einsum` of two operands with an explicit output and plain

@@ -16,12 +16,18 @@ so that a prefetched gather overlaps the compute of the current stream;
 `FlatGather.take` makes the current stream wait for it.
 """
 
+from __future__ import annotations
+
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 # torch 2.13 renamed the flat collectives (the old names warn FutureWarning
 # there); torch 2.11 and 2.12 have only the old names.
@@ -40,17 +46,19 @@ class Piece:
     dim: int  # the dim sharded over the ranks
     full_size: int  # that dim's size once gathered
     chunk: int  # each rank's padded size on `dim`: ceil(full_size / ranks)
-    padded_shape: tuple  # one rank's padded shard
+    padded_shape: tuple[int, ...]  # one rank's padded shard
     offset: int  # start in each rank's flat segment
     numel: int  # elements of `padded_shape`
 
     @property
-    def gathered_shape(self):
+    def gathered_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape (`padded_shape` with `full_size` on
+        `dim`)."""
         shape = list(self.padded_shape)
         shape[self.dim] = self.full_size
         return tuple(shape)
 
-    def rows_of(self, rank):
+    def rows_of(self, rank: int) -> int:
         """How many of `chunk` rows on `dim` rank `rank` really holds."""
         return max(0, min(self.chunk, self.full_size - rank * self.chunk))
 
@@ -58,10 +66,22 @@ class Piece:
 class FlatLayout:
     """Where each of a group's tensors lies in its flat buffers.
 
-    `shards` are this rank's local shards, `dims` the dim each is sharded
-    on and `full_sizes` that dim's size once gathered over `ranks`."""
+    `shard_shapes` are the shapes of this rank's local shards, `dims` the
+    dim each is sharded on and `full_sizes` that dim's size once gathered
+    over `ranks`."""
 
-    def __init__(self, shard_shapes, dims, full_sizes, ranks):
+    ranks: int  # the ranks of the group
+    pieces: list[Piece]  # one per tensor, in order
+    per_rank: int  # elements of one rank's flat segment
+    any_padding: bool  # whether some piece is padded
+
+    def __init__(
+        self,
+        shard_shapes: Sequence[Sequence[int]],
+        dims: Sequence[int],
+        full_sizes: Sequence[int],
+        ranks: int,
+    ) -> None:
         self.ranks = ranks
         self.pieces = []
         offset = 0
@@ -80,7 +100,9 @@ class FlatLayout:
             p.full_size != p.chunk * ranks for p in self.pieces
         )
 
-    def copy_in(self, shards, flat):
+    def copy_in(
+        self, shards: Sequence[torch.Tensor], flat: torch.Tensor
+    ) -> None:
         """This rank's `shards` into its segment `flat` (padding left as
         `flat` holds it: zeros when it was made with zeros)."""
         for piece, shard in zip(self.pieces, shards):
@@ -89,7 +111,7 @@ class FlatLayout:
             )
             target.narrow(piece.dim, 0, shard.shape[piece.dim]).copy_(shard)
 
-    def copy_out(self, gathered):
+    def copy_out(self, gathered: torch.Tensor) -> list[torch.Tensor]:
         """The whole tensors (contiguous) from the `ranks * per_rank`
         elements of an all-gather. A tensor sharded on dim 0 without
         padding is a view of `gathered`; the others are copied into one
@@ -129,13 +151,18 @@ class FlatLayout:
             outputs.append(whole)
         return outputs
 
-    def is_rank_major(self, piece):
+    def is_rank_major(self, piece: Piece) -> bool:
         """True when `piece`'s whole tensor is in rank-major order as it is
         (sharded on dim 0, no padding): gathered, a view of the all-gather's
         output; its gradient, the reduce-scatter's input as it is."""
         return piece.dim == 0 and piece.full_size == piece.chunk * self.ranks
 
-    def scatter_input(self, grads, dtype, device):
+    def scatter_input(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
         """The `ranks * per_rank` input of the gradients' reduce-scatter: each
         whole gradient cut into the ranks' padded pieces, in rank-major
         order; a None gradient is zeros."""
@@ -162,7 +189,9 @@ class FlatLayout:
                     )
         return flat
 
-    def shards_of(self, flat, shard_shapes):
+    def shards_of(
+        self, flat: torch.Tensor, shard_shapes: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
         """Views of this rank's shards in its reduce-scattered segment."""
         return [
             flat[p.offset : p.offset + p.numel]
@@ -178,7 +207,13 @@ class FlatGather:
     waits for it and returns the whole tensors. Collective: start it on
     every rank, in the same order."""
 
-    def __init__(self, layout, shards, group, dtype=None):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        shards: Sequence[torch.Tensor],
+        group: dist.ProcessGroup,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.layout = layout
         first = shards[0]
         dtype, device = dtype or first.dtype, first.device
@@ -197,7 +232,7 @@ class FlatGather:
         # The collective's work keeps its input alive until it completes.
         self.input = None
 
-    def wait(self):
+    def wait(self) -> None:
         """Complete the collective (the current stream waits for it)."""
         if self.work is not None:
             self.work.wait()
@@ -207,7 +242,7 @@ class FlatGather:
                 current.wait_stream(self.stream)
                 self.output.record_stream(current)
 
-    def take(self):
+    def take(self) -> list[torch.Tensor]:
         """The whole tensors; the flat buffers are let go."""
         self.wait()
         outputs = self.layout.copy_out(self.output)
@@ -215,7 +250,15 @@ class FlatGather:
         return outputs
 
 
-def reduce_scatter(layout, grads, group, scale, dtype, device, shard_shapes):
+def reduce_scatter(
+    layout: FlatLayout,
+    grads: Sequence[torch.Tensor | None],
+    group: dist.ProcessGroup,
+    scale: float,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard_shapes: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
     """This rank's shards of the sum over `group` of every rank's `grads`
     (whole gradients in `layout`'s order; None: zeros), each rank's first
     multiplied by `scale`, in one flat reduce-scatter. Collective: call on
@@ -241,7 +284,13 @@ def reduce_scatter(layout, grads, group, scale, dtype, device, shard_shapes):
     )
 
 
-def reduce_scatter_flat(layout, flat, group, scale, shard_shapes):
+def reduce_scatter_flat(
+    layout: FlatLayout,
+    flat: torch.Tensor,
+    group: dist.ProcessGroup,
+    scale: float,
+    shard_shapes: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
     """This rank's shards of the sum over `group` of every rank's `flat`
     (the `ranks * per_rank` rank-major input, scaled here in place by
     `scale`). Collective: call on every rank."""
@@ -281,13 +330,13 @@ class GatherStreams:
     """The side stream FSDP gathers run on, one per CUDA device, made on
     first use."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.clear()
 
-    def clear(self):
+    def clear(self) -> None:
         self.by_device = {}  # CUDA device index -> torch.cuda.Stream
 
-    def for_device(self, device):
+    def for_device(self, device: torch.device) -> torch.cuda.Stream | None:
         """The gather stream of `device`, ordered after the work queued on
         its current stream; None on CPU."""
         if device.type != "cuda":

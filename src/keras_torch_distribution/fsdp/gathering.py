@@ -35,9 +35,12 @@ is the shards plus the groups in use, as FSDP2's reshard-after-forward
 gives.
 """
 
+from __future__ import annotations
+
 import contextlib
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -51,17 +54,28 @@ from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import tensors
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from collections.abc import Sequence
+
+    import keras
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
+
 
 @dataclass(frozen=True)
 class GatherPlan:
     """How one variable layout is gathered along the batch axis."""
 
-    mesh: object  # the variable's torch DeviceMesh
-    stored: tuple  # the variable's placements (Shard on the batch axis)
-    gathered: tuple  # the same with Replicate on the batch axis
-    grad: tuple  # the same with Partial on the batch axis
+    mesh: DeviceMesh  # the variable's torch DeviceMesh
+    # the variable's placements (Shard on the batch axis)
+    stored: tuple[Placement, ...]
+    # the same with Replicate on the batch axis
+    gathered: tuple[Placement, ...]
+    grad: tuple[Placement, ...]  # the same with Partial on the batch axis
     replicas: int  # the batch axis' size
-    shape: tuple  # the variable's global shape
+    shape: tuple[int, ...]  # the variable's global shape
     plain: bool  # nothing sharded once gathered: use a plain tensor
     axis: int  # the batch axis' index in the mesh
     dim: int  # the dim the batch axis shards
@@ -71,11 +85,13 @@ class GatherPlan:
     groupable: bool
 
     @property
-    def group(self):
+    def group(self) -> ProcessGroup:
         """The process group of the batch axis."""
         return self.mesh.get_group(self.axis)
 
-    def gather(self, value, raw=None):
+    def gather(
+        self, value: DTensor, raw: DTensor | None = None
+    ) -> torch.Tensor:
         """`value` (a DTensor of `stored`) whole along the batch axis, for
         computing on this replica's rows. `raw`: the variable's stored
         value when `value` is its autocast (mixed precision): then the
@@ -98,7 +114,9 @@ class GatherPlan:
             return local
         return self.as_model_dtensor(local)
 
-    def as_model_dtensor(self, local):
+    def as_model_dtensor(self, local: torch.Tensor) -> DTensor:
+        """`local`, this rank's gathered block, as a DTensor of `gathered`
+        (sharded on the model axes only)."""
         return DTensor.from_local(
             local,
             self.mesh,
@@ -129,12 +147,16 @@ class FsdpState:
 state = FsdpState()
 
 
-def plans_exist():
+def plans_exist() -> bool:
     """True once a variable of this process is sharded on the batch axis."""
     return state.plans_exist
 
 
-def plan_for(torch_layout, shape, batch_axis):
+def plan_for(
+    torch_layout: layouts.TorchLayout,
+    shape: Sequence[int],
+    batch_axis: str | None,
+) -> GatherPlan | None:
     """The GatherPlan of a variable of `shape` and `torch_layout` on a mesh
     whose batch axis is named `batch_axis`; None when the layout does not
     shard that axis (or the axis has one coordinate)."""
@@ -363,7 +385,7 @@ class _Token:
         )
 
 
-def prefetch_depth():
+def prefetch_depth() -> int:
     """How many FSDP groups may be gathered ahead of the one in use
     (KTD_FSDP_PREFETCH). By default 1 on CUDA, where a gather on its own
     stream overlaps compute; 0 on CPU, where gloo's collective threads
@@ -373,7 +395,7 @@ def prefetch_depth():
 
 
 @contextlib.contextmanager
-def regathering_in_backward():
+def regathering_in_backward() -> Iterator[None]:
     """Within the block (a training forward), saved views of gathered
     weights are gathered again in backward instead of being kept."""
     if (
@@ -395,7 +417,12 @@ def regathering_in_backward():
         regatherer.gathered.clear()
 
 
-def gather_for_use(stored, plan, variable=None, raw=None):
+def gather_for_use(
+    stored: DTensor,
+    plan: GatherPlan,
+    variable: keras.Variable | None = None,
+    raw: DTensor | None = None,
+) -> torch.Tensor:
     """`stored` (a variable's value, after Keras' autocast) gathered along
     the batch axis: from the flat gather of a group in progress that holds
     `variable` (see `fsdp.groups`), else on its own (see GatherPlan.gather;
@@ -418,6 +445,7 @@ def gather_for_use(stored, plan, variable=None, raw=None):
     return view
 
 
-def gather_plan(variable):
-    """The FSDP GatherPlan of a variable sharded on the batch axis, else None."""
+def gather_plan(variable: keras.Variable) -> GatherPlan | None:
+    """The FSDP GatherPlan of a variable sharded on the batch axis, else
+    None."""
     return getattr(variable, "_ktd_gather", None)

@@ -1,11 +1,11 @@
 """FSDP by group: one flat all-gather per group of variables, prefetched.
 
 A group is the unit FSDP2 wraps with `fully_shard`: its variables sharded
-on the batch axis (see `fsdp.gathering`) travel together. Under KTD_FSDP_GROUP=block
-(the default) a group is an outermost layer below the models that holds
-FSDP variables: each decoder block of a keras_hub backbone (whose layers
-the backbone, a functional model, calls), the token embedding, each Dense
-of a Sequential, each top-level layer of a subclassed model.
+on the batch axis (see `fsdp.gathering`) travel together. Under
+KTD_FSDP_GROUP=block (the default) a group is an outermost layer below the
+models that holds FSDP variables: each decoder block of a keras_hub backbone
+(whose layers the backbone, a functional model, calls), the token embedding,
+each Dense of a Sequential, each top-level layer of a subclassed model.
 KTD_FSDP_GROUP=layer makes each layer's own variables a group (q, k, v and
 the output projection of an attention layer apart).
 
@@ -314,7 +314,8 @@ class _GroupCall:
         self.layer = layer
         self.spec = spec
         self.values = {}  # (bucket, member) -> gathered value
-        self.sources = {}  # bucket index -> its _BucketSource, for the regatherer
+        # bucket index -> its _BucketSource, for the regatherer
+        self.sources = {}
         self.casts = {}  # ((bucket, member), dtype) -> the value cast
         self.keep = False  # keep the gathered weights for backward
         # id(gathered value) -> (that value, lookup_gradients.Lookup), for

@@ -1,5 +1,5 @@
-"""What each process of a launch runs: `python -m keras_torch_distribution.launch
-SCRIPT [ARGS]` (or `-m MODULE [ARGS]`).
+"""What each process of a launch runs: `python -m
+keras_torch_distribution.launch SCRIPT [ARGS]` (or `-m MODULE [ARGS]`).
 
 `ktd run` and the local processes `initialize()` starts run every process
 this way: the backend is installed into Keras before the script runs (so
@@ -17,7 +17,10 @@ import sys
 
 from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
 
-USAGE = "usage: python -m keras_torch_distribution.launch SCRIPT [ARGS] | -m MODULE [ARGS]"
+USAGE = (
+    "usage: python -m keras_torch_distribution.launch SCRIPT [ARGS] | -m "
+    "MODULE [ARGS]"
+)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -38,7 +41,8 @@ def die_with_parent(environ=os.environ):
 
 
 def run_target(argv):
-    """Install the backend, then run a script file or `-m MODULE` as __main__."""
+    """Install the backend, then run a script file or `-m MODULE` as
+    __main__."""
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(USAGE)
     import keras_torch_distribution  # noqa: F401  (installs into Keras)

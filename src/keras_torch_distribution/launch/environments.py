@@ -24,10 +24,11 @@ SLURM see the step of the per-node daemons):
     local         nothing: one process, or one per local device
 
 Each row is one function of `schedulers`; `record` holds the `Launch`
-record and the readers. A row matches only on its full set of variables. Where a row's variables
-show a job of several processes but some are missing or disagree, it raises
-`IncompleteEnvironmentError` naming what it found, what is missing and the
-fix: a process never trains alone because its launcher went unrecognised.
+record and the readers. A row matches only on its full set of variables. Where a
+row's variables show a job of several processes but some are missing or
+disagree, it raises `IncompleteEnvironmentError` naming what it found, what is
+missing and the fix: a process never trains alone because its launcher went
+unrecognised.
 MASTER_ADDR and MASTER_PORT win over an address or port a row derives.
 KTD_CLUSTER=<row name> tries only that row (an error if it does not match);
 KTD_CLUSTER=none skips them all. KTD_SPAWN=0 never starts local processes;
@@ -85,9 +86,10 @@ def detect(
         world = read_whole(env, "WORLD_SIZE")
         if world != given["num_processes"]:
             raise ValueError(
-                f"initialize(num_processes={given['num_processes']}) but torchrun "
-                f"started WORLD_SIZE={world} processes. Pass num_processes={world} "
-                "or none, or launch with that many processes."
+                f"initialize(num_processes={given['num_processes']}) but "
+                f"torchrun started WORLD_SIZE={world} processes. Pass "
+                f"num_processes={world} or none, or launch with that many "
+                "processes."
             )
     found = _detected(env, local_devices, outside or Outside())
     if found is None:
@@ -148,7 +150,8 @@ def _explicit(env, job_addresses, num_processes, process_id):
 def _check_rank(num_processes, process_id):
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(
-            f"process_id={process_id} must be in [0, num_processes={num_processes})."
+            f"process_id={process_id} must be in [0, "
+            f"num_processes={num_processes})."
         )
 
 
@@ -156,9 +159,10 @@ def _fill(found, job_addresses, num_processes, process_id):
     """A row's Launch with the explicit values applied."""
     if num_processes is not None and num_processes != found.world:
         raise ValueError(
-            f"initialize(num_processes={num_processes}) but {found.environment} "
-            f"started {found.world} processes ({shown(found.variables)}). Pass "
-            f"num_processes={found.world} or none."
+            f"initialize(num_processes={num_processes}) but "
+            f"{found.environment} started {found.world} processes "
+            f"({shown(found.variables)}). Pass num_processes={found.world} or "
+            "none."
         )
     if (
         process_id is not None
@@ -173,9 +177,9 @@ def _fill(found, job_addresses, num_processes, process_id):
     if process_id is not None and found.start == SPAWN:
         raise ValueError(
             f"initialize(process_id={process_id}) but this process starts the "
-            f"{found.nproc} processes of node {found.node_rank} for {found.environment} "
-            f"({shown(found.variables)}), which have ranks of their own. Pass no "
-            "process_id."
+            f"{found.nproc} processes of node {found.node_rank} for "
+            f"{found.environment} ({shown(found.variables)}), which have ranks "
+            "of their own. Pass no process_id."
         )
     if job_addresses is not None and found.start == JOIN:
         found = dataclasses.replace(
@@ -201,7 +205,8 @@ def _local(env, local_devices, job_addresses, num_processes, process_id):
         raise ValueError(
             f"initialize(job_addresses={job_addresses!r}) also needs "
             f"num_processes and process_id (got num_processes={num_processes}, "
-            f"process_id={process_id}), and no launcher's environment gives them."
+            f"process_id={process_id}), and no launcher's environment gives "
+            "them."
         )
     if num_processes == 1 or num_processes is None:
         if process_id not in (None, 0):
@@ -209,10 +214,11 @@ def _local(env, local_devices, job_addresses, num_processes, process_id):
         return Launch("local", SINGLE)
     if process_id is not None:
         raise ValueError(
-            f"initialize(num_processes={num_processes}, process_id={process_id}) "
-            "needs job_addresses='host:port' of process 0, or a launch by "
-            f"torchrun / `ktd run -n {num_processes}`, which sets the environment; "
-            f"or leave out process_id to start {num_processes} local processes."
+            f"initialize(num_processes={num_processes}, "
+            f"process_id={process_id}) needs job_addresses='host:port' of "
+            "process 0, or a launch by torchrun / `ktd run -n "
+            f"{num_processes}`, which sets the environment; or leave out "
+            f"process_id to start {num_processes} local processes."
         )
     return dataclasses.replace(
         _local_spawn(env, num_processes), environment="explicit", fallback=None
@@ -281,9 +287,9 @@ def _detected(env, local_devices, outside):
     if forced:
         if forced not in rows:
             raise ValueError(
-                f"{CLUSTER_VARIABLE}={env[CLUSTER_VARIABLE]!r} names no environment: "
-                f"set one of {', '.join(rows)}, or none (no detection), or unset it "
-                "(detect)."
+                f"{CLUSTER_VARIABLE}={env[CLUSTER_VARIABLE]!r} names no "
+                f"environment: set one of {', '.join(rows)}, or none (no "
+                "detection), or unset it (detect)."
             )
         return rows[forced](env, local_devices, outside, forced=True)
     for _, row in schedulers.ROWS:

@@ -36,12 +36,12 @@ _SIGNAL_CAUSES = {
         "--shm-size; see `df -h /dev/shm`)."
     ),
     "SIGABRT": (
-        "Native code aborted it (a failed C++ check, or `terminate called ...`); "
-        "its last output above says why."
+        "Native code aborted it (a failed C++ check, or `terminate called "
+        "...`); its last output above says why."
     ),
     "SIGILL": (
-        "It ran an instruction this CPU lacks (a library built for another CPU) "
-        "or hit a failed native check."
+        "It ran an instruction this CPU lacks (a library built for another "
+        "CPU) or hit a failed native check."
     ),
 }
 _NO_ERROR_FILE = "<N/A>"  # torchrun's ProcessFailure.error_file without one
@@ -84,8 +84,8 @@ def failure_summary(failures, launcher="ktd run"):
         signal_name = failure.signal_name()
         return (
             f"{who} died first, by signal {signal_name} (exit code "
-            f"{failure.exitcode}). {signal_meaning(signal_name)} torchrun stopped "
-            "the other processes."
+            f"{failure.exitcode}). {signal_meaning(signal_name)} torchrun "
+            "stopped the other processes."
         )
     if exception is None:
         return (

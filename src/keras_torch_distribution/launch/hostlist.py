@@ -28,8 +28,8 @@ def first_host(text):
     for host in hosts(text):
         return host
     raise ValueError(
-        f"SLURM host list {text!r} names no host: expected e.g. 'node[001-004]' "
-        "or 'n1,n2'. Set MASTER_ADDR to the host of process 0."
+        f"SLURM host list {text!r} names no host: expected e.g. "
+        "'node[001-004]' or 'n1,n2'. Set MASTER_ADDR to the host of process 0."
     )
 
 
@@ -86,6 +86,6 @@ def _expand_ranges(ranges, text):
 def _malformed(text, why):
     return ValueError(
         f"SLURM host list {text!r} is malformed: {why}. Expected e.g. "
-        "'node[001-004,007]' or 'n1,n2'. Set MASTER_ADDR to the host of process 0 "
-        "to skip reading it."
+        "'node[001-004,007]' or 'n1,n2'. Set MASTER_ADDR to the host of "
+        "process 0 to skip reading it."
     )

@@ -124,11 +124,12 @@ def _generic(env, local_devices, outside, forced):
         raise IncompleteEnvironmentError(
             f"WORLD_SIZE={world} says this process is one of {world}, but the "
             f"environment lacks {', '.join(missing)} to join the others (found "
-            f"{found}). Launch the script with `ktd run -n {world} script.py` or "
-            "torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; or "
-            "call keras.distribution.initialize(job_addresses='host:port' "
-            f"(process 0's), num_processes={world}, process_id=...) on every "
-            "process; or unset WORLD_SIZE for a one-process run."
+            f"{found}). Launch the script with `ktd run -n {world} script.py` "
+            "or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and "
+            "MASTER_PORT; or call "
+            "keras.distribution.initialize(job_addresses='host:port' (process "
+            f"0's), num_processes={world}, process_id=...) on every process; "
+            "or unset WORLD_SIZE for a one-process run."
         )
     names = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") + rank_names
     return join(
@@ -256,11 +257,12 @@ def _mpi_join(
         raise IncompleteEnvironmentError(
             f"{what} started this process as rank {rank} of {world} "
             f"({shown(present(env, names))}), but nothing says where process 0 "
-            "is: MASTER_ADDR is missing (and mpi4py, which could ask rank 0, is not "
-            "installed). Set MASTER_ADDR to process 0's host (reachable from every "
-            "process) and MASTER_PORT to a free port there, for every process, e.g. "
-            "`mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`; or install "
-            "mpi4py; or launch with torchrun / `ktd run` instead."
+            "is: MASTER_ADDR is missing (and mpi4py, which could ask rank 0, "
+            "is not installed). Set MASTER_ADDR to process 0's host (reachable "
+            "from every process) and MASTER_PORT to a free port there, for "
+            "every process, e.g. `mpirun -x MASTER_ADDR=$(hostname) -x "
+            "MASTER_PORT=29500 ...`; or install mpi4py; or launch with "
+            "torchrun / `ktd run` instead."
         )
     port = (
         read_port(env, "MASTER_PORT")
@@ -294,9 +296,10 @@ def _lsf(env, local_devices, outside, forced):
         hosts = [line.strip() for line in lines if line.strip()]
         if not hosts:
             raise IncompleteEnvironmentError(
-                f"LSF's rank file LSB_DJOB_RANKFILE={env['LSB_DJOB_RANKFILE']!r} lists "
-                "no compute host after its first line. Set MASTER_ADDR to process 0's "
-                "host and MASTER_PORT to a free port there."
+                "LSF's rank file "
+                f"LSB_DJOB_RANKFILE={env['LSB_DJOB_RANKFILE']!r} lists no "
+                "compute host after its first line. Set MASTER_ADDR to process "
+                "0's host and MASTER_PORT to a free port there."
             )
         address = hosts[0]
     port = (
@@ -343,8 +346,10 @@ def _slurm(env, local_devices, outside, forced):
         env,
         "SLURM (an srun step)",
         names,
-        fix="Start the script with srun inside the allocation, e.g. `srun python "
-        "train.py` (srun sets all of them).",
+        fix=(
+            "Start the script with srun inside the allocation, e.g. `srun "
+            "python train.py` (srun sets all of them)."
+        ),
     )
     world = read_whole(env, tasks)
     rank, local = (
@@ -427,9 +432,9 @@ def _pet(env, local_devices, outside, forced):
     low, _, high = env["PET_NNODES"].partition(":")
     if high and high != low:
         raise IncompleteEnvironmentError(
-            f"PET_NNODES={env['PET_NNODES']!r} asks for an elastic number of nodes, "
-            "which needs torchrun's rendezvous: run the script with `torchrun "
-            "train.py` (it reads the PET_* variables)."
+            f"PET_NNODES={env['PET_NNODES']!r} asks for an elastic number of "
+            "nodes, which needs torchrun's rendezvous: run the script with "
+            "`torchrun train.py` (it reads the PET_* variables)."
         )
     nnodes = read_whole({"PET_NNODES": low}, "PET_NNODES")
     node_rank = read_whole(env, "PET_NODE_RANK", minimum=0)
@@ -438,11 +443,11 @@ def _pet(env, local_devices, outside, forced):
     names = names + ("PET_NPROC_PER_NODE",)
     if "WORLD_SIZE" in env and read_whole(env, "WORLD_SIZE") != nnodes * nproc:
         raise IncompleteEnvironmentError(
-            f"WORLD_SIZE={env['WORLD_SIZE']} but PET_NNODES={nnodes} nodes x {nproc} "
-            f"processes per node make {nnodes * nproc} "
-            f"({shown(present(env, names + (SPAWN_VARIABLE,)))}). Without a GPU "
-            f"one process per node starts; set {SPAWN_VARIABLE}=N to start N CPU "
-            "processes per node, or make WORLD_SIZE agree."
+            f"WORLD_SIZE={env['WORLD_SIZE']} but PET_NNODES={nnodes} nodes x "
+            f"{nproc} processes per node make {nnodes * nproc} "
+            f"({shown(present(env, names + (SPAWN_VARIABLE,)))}). Without a "
+            f"GPU one process per node starts; set {SPAWN_VARIABLE}=N to start "
+            "N CPU processes per node, or make WORLD_SIZE agree."
         )
     joined = join("pet", env, nnodes, node_rank, 0, address, port, names)
     if nproc == 1:

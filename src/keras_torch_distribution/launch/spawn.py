@@ -1,4 +1,5 @@
-"""This node's processes, started by `initialize()` through torch's elastic agent.
+"""This node's processes, started by `initialize()` through torch's elastic
+agent.
 
 Where `environments.detect` says this process should start its node's
 processes (a bare `python train.py` on a machine with several GPUs,
@@ -62,7 +63,10 @@ def why_not(first_use=None, environ=os.environ):
     if "ipykernel" in sys.modules:
         return "it runs in a Jupyter kernel"
     if argv0 in ("-c", "-", ""):
-        return "Python runs a program given by -c or on stdin, which cannot be run again"
+        return (
+            "Python runs a program given by -c or on stdin, which cannot be "
+            "run again"
+        )
     if not getattr(main, "__file__", None) and not getattr(
         main, "__spec__", None
     ):
@@ -136,6 +140,7 @@ def start_processes(launch, timeout_seconds):
         elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as error:
         raise SystemExit(
-            f"{error}\n{failure_summary(error.failures, launcher=LAUNCHER_NAME)}"
+            f"{error}\n"
+            f"{failure_summary(error.failures, launcher=LAUNCHER_NAME)}"
         ) from None
     raise SystemExit(0)

@@ -80,11 +80,11 @@ def torchrun_arguments(argv):
         name = _OWN_OPTIONS.get(name, name)
         if name in _UNSUPPORTED_OPTIONS:
             raise SystemExit(
-                f"ktd run: torchrun's {name} is not supported: `ktd run` runs a "
-                "Python script file with the backend installed, e.g. `ktd run "
-                "-n 2 train.py`. Use torchrun directly for modules or "
-                "non-Python programs (and `import keras_torch_distribution` "
-                "in them)."
+                f"ktd run: torchrun's {name} is not supported: `ktd run` runs "
+                "a Python script file with the backend installed, e.g. `ktd "
+                "run -n 2 train.py`. Use torchrun directly for modules or "
+                "non-Python programs (and `import keras_torch_distribution` in "
+                "them)."
             )
         if not sep and name not in flags:
             if index + 1 >= len(argv):

@@ -125,9 +125,9 @@ def _explain_uneven(layer, error):
             f"dim {d} of size {n} over {k} processes" for d, n, k in uneven
         )
         lines.append(
-            f"variable {variable.path!r} (shape {tuple(variable.shape)}, layout "
-            f"{tuple(layouts.resolved_layout(variable).axes)}) splits {splits}; a layout "
-            f"that works: {tuple(axes)}"
+            f"variable {variable.path!r} (shape {tuple(variable.shape)}, "
+            f"layout {tuple(layouts.resolved_layout(variable).axes)}) splits "
+            f"{splits}; a layout that works: {tuple(axes)}"
         )
     raise ValueError(
         f"{type(layer).__name__} {layer.name!r} failed on an "

@@ -14,7 +14,8 @@ compiled backward. Gradient sync and the optimizer update run eagerly,
 overlapped with that backward as without compilation. Replaces, through
 the seam, Keras' `make_train_function` / `make_test_function` /
 `make_predict_function` (one factory, `make_step_function`, so steps made
-by user code before `fit` get this too) and Keras' flash-attention check while compiling.
+by user code before `fit` get this too) and Keras' flash-attention check while
+compiling.
 """
 
 import types
@@ -155,14 +156,15 @@ def _why(error):
 
 def can_use_flash_attention(original, *args, raise_error=False, **kwargs):
     """Keras' torch `_can_use_flash_attention`: its check whether
-    `dot_product_attention` may force the flash kernel builds a `torch.backends.cuda.SDPAParams`, a C++ object dynamo
-    cannot trace: every attention call broke the compiled graph, inside a
-    `name_scope` where dynamo cannot resume, so whole layers ran eagerly.
-    While compiling, answer "no": Keras then calls the same
+    `dot_product_attention` may force the flash kernel builds a
+    `torch.backends.cuda.SDPAParams`, a C++ object dynamo cannot trace:
+    every attention call broke the compiled graph, inside a `name_scope`
+    where dynamo cannot resume, so whole layers ran eagerly. While
+    compiling, answer "no": Keras then calls the same
     `scaled_dot_product_attention` without restricting its kernels, and
-    torch's own kernel choice (flash first where it applies) decides. When
-    the user asks for flash attention (`raise_error=True`), Keras' check
-    runs as it is."""
+    torch's own kernel choice (flash first where it applies) decides.
+    When the user asks for flash attention (`raise_error=True`), Keras'
+    check runs as it is."""
     if torch.compiler.is_compiling() and not raise_error:
         return False
     return original(*args, raise_error=raise_error, **kwargs)

@@ -93,15 +93,15 @@ def _use_foreach(value):
 # variables: a few `torch._foreach_*` kernels per chunk instead of about ten
 # per variable, with the transients (grad * grad, the denominator, the
 # update) of one chunk, not of the whole model as in Keras' one foreach over
-# all (benchmarks/README.md, "GPU check": a 1.1 B keras_hub Llama step on an
-# H100 took 1.15x plain Keras' with the per-variable update, 1.02x with
-# chunks).
+# all (benchmarks/reports/2026-11-gpu-h100.md: a 1.1 B keras_hub Llama step
+# on an H100 took 1.15x plain Keras' with the per-variable update, 1.02x
+# with chunks).
 FOREACH_CHUNK_BYTES = 64 * 2**20
 
 
 def _chunks(every):
-    """`every` (per variable: value, grad, m, v[, v_hat] plain tensors) in runs of
-    consecutive variables of one dtype and device up to FOREACH_CHUNK_BYTES
+    """`every` (per variable: value, grad, m, v[, v_hat] plain tensors) in runs
+    of consecutive variables of one dtype and device up to FOREACH_CHUNK_BYTES
     (a larger variable is a chunk of its own)."""
     chunk, size = [], 0
     for blocks in every:

@@ -112,9 +112,9 @@ def sharded_layout(variable):
 def value_for_use(original, variable, value):
     """Keras `Variable._maybe_autocast`, which every read of a variable's
     value goes through: inside a layer call, a variable sharded on the batch
-    axis is gathered along it for use (see `fsdp.gathering`), after Keras' autocast
-    (so mixed precision gathers in the compute dtype). Outside layer calls,
-    and while Keras traces shapes on the meta device, the stored value.
+    axis is gathered along it for use (see `fsdp.gathering`), after Keras'
+    autocast (so mixed precision gathers in the compute dtype). Outside layer
+    calls, and while Keras traces shapes on the meta device, the stored value.
     Under mixed precision the gather carries the compute dtype and the
     gradient is reduced in the stored one (see `fsdp.gathering`)."""
     raw, value = value, original(variable, value)
@@ -289,9 +289,10 @@ def describe(original, variable):
     value = _keras.raw_value(variable)
     if not isinstance(value, DTensor):
         return original(variable)
+    axes = tuple(layouts.resolved_layout(variable).axes)
     return (
         f"<Variable path={variable.path}, shape={variable.shape}, "
-        f"dtype={variable.dtype}, layout={tuple(layouts.resolved_layout(variable).axes)}, "
+        f"dtype={variable.dtype}, layout={axes}, "
         f"local_shape={tuple(value.to_local().shape)}>"
     )
 

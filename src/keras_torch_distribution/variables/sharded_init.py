@@ -83,6 +83,9 @@ def init_block(initializer, shape, dtype, box, path):
     call = record_random_initializer(initializer, shape, dtype)
     if call is not None:
         return _stream_block(call, shape, torch_dtype, box).to(device)
+    nbytes = (
+        math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
+    )
     warn_once(
         ("full-init", path),
         "Variable %r (shape %s, %s bytes) uses %s, which cannot be initialized "
@@ -90,7 +93,7 @@ def init_block(initializer, shape, dtype, box, path):
         "then keeps its shard.",
         path,
         tuple(shape),
-        f"{math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size():,}",
+        f"{nbytes:,}",
         type(initializer).__name__,
     )
     with _keras.torch_device_scope("cpu"):

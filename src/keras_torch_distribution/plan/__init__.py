@@ -1,0 +1,31 @@
+"""`ktd plan`: a script's per-rank memory and collectives at any world
+size, simulated in one CPU process as rank 0 of N.
+
+    ktd plan --world 64 --json plan.json train.py [ARGS]
+
+The script runs unchanged in a world of N processes made by torch's fake
+process group (collectives return at once and move nothing): the mesh it
+builds from `keras.distribution.list_devices()` is the one it would get on
+N devices, and its variables are born sharded as rank 0's shards, allocated
+but never initialised (untouched pages cost no memory). It stops at its
+first fit / evaluate / predict / save; at a fit whose rank-0 state is small
+enough, after one simulated training step whose collectives are counted
+(their number is exact, their values meaningless). Every rank's bytes are
+then computed from the variables' layouts: pure arithmetic on shapes and
+placements, checked against what rank 0 holds.
+
+Modules, bottom first (a module imports only those above it):
+
+- `world`: the simulated world (torch's fake process group), started and
+  destroyed only by `ktd plan`.
+- `values`: variables allocated, not initialised, while planning.
+- `shards`: each rank's bytes of a variable, its gradient, its optimizer
+  state and FSDP's gathered groups, from shapes and layouts.
+- `stops`: the script stopped at its first fit / evaluate / predict /
+  save, after one counted training step where it is affordable.
+- `runner`: runs the script and assembles the plan.
+- `output`: the plan as text and as JSON.
+- `command`: `ktd plan`'s arguments.
+
+Nothing is re-exported: importing the package imports none of them.
+"""

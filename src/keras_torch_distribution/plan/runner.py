@@ -1,0 +1,204 @@
+"""Run a script in the simulated world and assemble its plan.
+
+`plan(world, script, args)` runs `script` (as `python script args` would:
+`__main__`, its folder first on sys.path, sys.argv) as rank 0 of `world`
+processes, with variables unwritten (`values`), up to its first fit /
+evaluate / predict / save (`stops`), and returns the plan: a dict of plain
+values (see `output` for its fields).
+"""
+
+import math
+import os
+import resource
+import runpy
+import sys
+import time
+
+from keras_torch_distribution import _keras
+from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution.plan import shards
+from keras_torch_distribution.plan import stops
+from keras_torch_distribution.plan import values
+from keras_torch_distribution.plan import world as simulated_world
+from keras_torch_distribution.variables import left_whole
+
+# A fit simulates one step (and counts its collectives) when rank 0's
+# training state (parameters, gradients, two Adam slots: 4x its
+# parameters) is at most this many bytes: the step writes all of it.
+DEFAULT_STEP_LIMIT = 1 << 30
+STEP_CHOICES = ("auto", "yes", "no")
+
+
+class PlanError(RuntimeError):
+    """The script cannot be planned as it is (the message says why)."""
+
+
+def plan(world, script, args=(), step="auto", step_limit=DEFAULT_STEP_LIMIT):
+    """The plan of `script args` at `world` processes (see the module
+    docstring)."""
+    world = simulated_world.check_world(world)
+    if step not in STEP_CHOICES:
+        raise ValueError(
+            f"--step {step!r} is not one of {', '.join(STEP_CHOICES)}: auto "
+            f"simulates a step when rank 0's state is at most "
+            f"{DEFAULT_STEP_LIMIT >> 30} GiB."
+        )
+    if not os.path.isfile(script):
+        raise PlanError(
+            f"ktd plan: script {script!r} is not a file: give the path of "
+            "the Python script to plan (ktd plan --world N script.py ARGS)."
+        )
+    import keras_torch_distribution  # noqa: F401  (installs the package)
+
+    started = time.perf_counter()
+
+    def allow_step(model):
+        if step == "yes":
+            return True, None
+        if step == "no":
+            return False, "--step no"
+        state = 4 * shards.params_bytes(model, 0)
+        if state <= step_limit:
+            return True, None
+        return False, (
+            f"rank 0's training state would be about {_gib(state)} "
+            f"(over the step limit of {_gib(step_limit)}): collectives "
+            "were not simulated; pass --step yes to simulate them anyway"
+        )
+
+    with (
+        simulated_world.simulated(world),
+        values.unmaterialised(),
+        stops.stopping(allow_step) as record,
+    ):
+        _run_script(script, args, record)
+        if record.model is None:
+            raise PlanError(
+                f"ktd plan: {script!r} ended without calling fit, evaluate, "
+                "predict or save on a Keras model, where the plan reads the "
+                "model's variables. Make the script build its model and call "
+                "model.fit(...) (the plan stops there, before training)."
+            )
+        result = assemble(record, world)
+    result["script"] = [script, *args]
+    result["wall_seconds"] = round(time.perf_counter() - started, 1)
+    result["peak_rss_bytes"] = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return result
+
+
+def _run_script(script, args, record):
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except stops.Stopped:
+        pass
+    except SystemExit as exit_:
+        if record.model is None:
+            raise PlanError(
+                f"ktd plan: {script!r} exited (code {exit_.code!r}) before "
+                "calling fit, evaluate, predict or save: nothing to plan. "
+                "Check that it runs with `python` and reaches model.fit."
+            ) from exit_
+    finally:
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+
+
+def _gib(n):
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _prefetch():
+    """FSDP's prefetch depth on the machines planned for: KTD_FSDP_PREFETCH
+    if set, else CUDA's default (1)."""
+    return (
+        gathering.prefetch_depth() if os.environ.get("KTD_FSDP_PREFETCH") else 1
+    )
+
+
+def assemble(record, world):
+    """The plan's dict from the stopped script's model."""
+    model = record.model
+    grads = record.gradient_layouts
+    shards.forget()
+    shards.check_rank0(model, grads)
+    groups = shards.fsdp_groups(model)
+    prefetch = _prefetch()
+    rows = {}
+    for rank in range(world):
+        row = {
+            "params_bytes": shards.params_bytes(model, rank),
+            "grads_bytes": shards.grads_bytes(model, rank, grads),
+            "optimizer_bytes": shards.optimizer_bytes(model, rank),
+        }
+        row["total_bytes"] = sum(row.values())
+        peak = shards.fsdp_peak(groups, rank, prefetch)
+        if peak is not None:
+            row["fsdp_largest_group"] = peak[0]
+            row["fsdp_gathered_bytes"] = peak[1]
+            row["fsdp_prefetch_bytes"] = peak[2]
+        row["peak_bytes"] = (
+            row["total_bytes"]
+            + row.get("fsdp_gathered_bytes", 0)
+            + row.get("fsdp_prefetch_bytes", 0)
+        )
+        key = tuple(sorted(row.items()))
+        rows.setdefault(key, dict(row, rank=rank, ranks=[]))["ranks"].append(
+            rank
+        )
+    per_rank = sorted(rows.values(), key=lambda r: r["rank"])
+    worst = max(per_rank, key=lambda r: (r["peak_bytes"], -r["rank"]))
+    variables = shards.unique(model.variables)
+    parameters = sum(math.prod(v.shape) for v in variables)
+    model_bytes = sum(
+        left_whole.global_bytes(v.shape, _keras.raw_value(v).dtype)
+        for v in variables
+    )
+    distribution = _keras.current_distribution()
+    mesh = getattr(distribution, "device_mesh", None)
+    tally = record.tally
+    return {
+        "world": world,
+        "stopped_at": record.stopped_at,
+        "distribution": type(distribution).__name__ if distribution else None,
+        "mesh": {
+            "shape": list(mesh.shape),
+            "axis_names": list(mesh.axis_names),
+        }
+        if mesh is not None
+        else None,
+        "parameters": int(parameters),
+        "model_bytes": int(model_bytes),
+        "accelerate_estimate": {
+            "model_bytes": int(model_bytes),
+            "training_adam_bytes": int(4 * model_bytes),
+        },
+        "optimizer": type(model.optimizer).__name__
+        if getattr(model, "optimizer", None) is not None
+        else None,
+        "fsdp_groups": len(groups),
+        "fsdp_prefetch": prefetch if groups else None,
+        "per_rank": per_rank,
+        "worst_rank": worst["rank"],
+        "step_simulated": tally is not None,
+        "no_step_reason": record.no_step,
+        "collectives_per_step": {
+            kind: {"count": tally.counts[kind], "bytes": tally.bytes[kind]}
+            for kind in tally.counts
+        }
+        if tally is not None
+        else None,
+        "left_whole": [
+            {
+                "path": entry["variable"].path,
+                "bytes": shards.variable_bytes(entry["variable"], 0),
+                "key": entry["key"],
+                "axes": list(entry["axes"]),
+            }
+            for entry in left_whole.left_whole(variables, distribution)
+        ],
+    }

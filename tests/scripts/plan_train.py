@@ -1,0 +1,75 @@
+"""A training script `ktd plan` plans and the tests also run for real.
+
+    python plan_train.py MODEL LAYOUT
+    MODEL: mlp | llama (a tiny keras_hub Llama from its config)
+    LAYOUT: dp (DataParallel) | tp (mesh (1, N)) | fsdp (mesh (N, 1)) |
+            2d (mesh (N/2, 2)); the Llama takes its own layout map.
+
+tests/multiprocess/test_plan.py compares the plan's per-rank bytes and
+collectives with a real run of this script on 2 and 4 processes.
+"""
+
+import sys
+
+import keras
+import numpy as np
+
+import keras_torch_distribution  # noqa: F401
+
+model_name, layout = sys.argv[1], sys.argv[2]
+keras.distribution.initialize()
+devices = keras.distribution.list_devices()
+n = len(devices)
+if layout == "dp":
+    distribution = keras.distribution.DataParallel(devices=devices)
+else:
+    shape = {"tp": (1, n), "fsdp": (n, 1), "2d": (n // 2, 2)}[layout]
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
+    if model_name == "llama":
+        import keras_hub
+
+        layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    else:
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[r".*dense_0/kernel"] = ("batch", "model")
+        layout_map[r".*dense_0/bias"] = ("model",)
+        layout_map[r".*dense_1/kernel"] = ("model", "batch")
+        layout_map[r".*dense_2/kernel"] = ("batch", None)
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+keras.distribution.set_distribution(distribution)
+keras.utils.set_random_seed(0)
+rows = 8
+if model_name == "llama":
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ids = np.random.default_rng(0).integers(1, 64, (rows, 9))
+    x = {
+        "token_ids": ids[:, :-1],
+        "padding_mask": np.ones((rows, 8), dtype=bool),
+    }
+    y = ids[:, 1:]
+else:
+    model = keras.Sequential(
+        [keras.Input((12,))]
+        + [
+            keras.layers.Dense(width, name=f"dense_{i}")
+            for i, width in enumerate((20, 10, 3))
+        ]
+    )
+    loss = "mse"
+    x = np.random.default_rng(0).normal(size=(rows, 12)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(rows, 3)).astype("float32")
+model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+model.fit(x, y, batch_size=rows, epochs=2, verbose=0)
