@@ -105,7 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "plan":
         from keras_torch_distribution.plan import command as plan_command
 
-        return plan_command.main(rest)
+        status, text = plan_command.run(rest)
+        print(text, file=sys.stderr if status else sys.stdout)
+        return status
     if command == "report":
         if len(rest) != 1:
             print(

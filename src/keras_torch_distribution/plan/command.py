@@ -1,7 +1,6 @@
 """`ktd plan --world N [--json PATH] [--step auto|yes|no] SCRIPT [ARGS]`."""
 
 import os
-import sys
 
 USAGE = (
     "usage: ktd plan --world N [--json PATH] [--step auto|yes|no] SCRIPT [ARGS]"
@@ -35,16 +34,17 @@ def parse(argv):
     return options, argv[i], argv[i + 1 :]
 
 
-def main(argv):
-    """Run `ktd plan`; the exit status."""
+def run(argv):
+    """Run `ktd plan`: (exit status, what to print). The plan as text
+    (written to `--json` too), or status 2 and the error naming a bad
+    argument or script."""
     from keras_torch_distribution.plan import world
 
     try:
         options, script, args = parse(argv)
         world.check_world(options["world"])
     except ValueError as error:
-        print(error, file=sys.stderr)
-        return 2
+        return 2, str(error)
     os.environ.setdefault("KERAS_BACKEND", "torch")
     from keras_torch_distribution.plan import output
     from keras_torch_distribution.plan import runner
@@ -52,9 +52,7 @@ def main(argv):
     try:
         plan = runner.plan(options["world"], script, args, step=options["step"])
     except (runner.PlanError, ValueError) as error:
-        print(error, file=sys.stderr)
-        return 2
-    print(output.format_text(plan))
+        return 2, str(error)
     if options["json"]:
         output.write_json(plan, options["json"])
-    return 0
+    return 0, output.format_text(plan)
