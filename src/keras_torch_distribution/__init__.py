@@ -21,10 +21,12 @@ from keras_torch_distribution.distributed import runtime  # noqa: E402,F401
 from keras_torch_distribution.distributed.runtime import initialize  # noqa: E402
 from keras_torch_distribution.distributed.runtime import num_processes  # noqa: E402
 from keras_torch_distribution.distributed.runtime import process_id  # noqa: E402
+from keras_torch_distribution.preemption import Preempted  # noqa: E402
 from keras_torch_distribution.report import report  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
+    "Preempted",
     "SUPPORTED_KERAS_TEXT",
     "checkpoint",
     "initialize",

@@ -11,6 +11,17 @@ variable, the value and what is accepted:
 - KTD_LOG_LEVEL: the package logger's level (a `logging` level name);
   default WARNING.
 - KTD_LOG_ALL_RANKS: "1" lets every rank log, not only rank 0.
+- KTD_PREEMPTION_SIGNALS: the signals that preempt a multi-process `fit`
+  (every rank saves its backup at one agreed step and exits with 128 + the
+  signal), comma-separated names; default "SIGTERM,SIGUSR1"; "none" leaves
+  every signal's own action.
+- KTD_PREEMPTION_WAIT: seconds a signalled rank waits for the next step
+  boundary before it exits without saving (a peer is gone, a step is
+  stuck); default 20 (below torchrun's 30 s shutdown timeout); 0 waits
+  forever.
+- KTD_SLURM_REQUEUE: "auto" (default) requeues a SLURM job
+  (`scontrol requeue`) after a preemption by SIGUSR1; "1" after any
+  preemption signal; "0" never.
 - KTD_FSDP_GROUP: what one FSDP gather covers: "block" (default) the
   outermost layers below the models (a keras_hub decoder block, a Dense of
   a Sequential), "layer" each layer's own variables.
@@ -24,6 +35,7 @@ Imports nothing from the package, so every module may use it.
 import logging
 import math
 import os
+import signal
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 # One week. A peer that has not answered in a week is hung; larger values are
@@ -88,6 +100,63 @@ def log_level():
 def log_all_ranks():
     """True when KTD_LOG_ALL_RANKS=1 lets every rank log."""
     return os.environ.get("KTD_LOG_ALL_RANKS") == "1"
+
+
+DEFAULT_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_PREEMPTION_WAIT = 20.0
+SLURM_REQUEUE_CHOICES = ("auto", "0", "1")
+
+
+def preemption_signals():
+    """KTD_PREEMPTION_SIGNALS as signal numbers (empty for "none")."""
+    text = os.environ.get("KTD_PREEMPTION_SIGNALS")
+    if text is None:
+        names = DEFAULT_PREEMPTION_SIGNALS
+    elif text.strip().lower() == "none":
+        return ()
+    else:
+        names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    numbers = []
+    for name in names:
+        full = name if name.startswith("SIG") else "SIG" + name
+        number = getattr(signal, full, None)
+        if not isinstance(number, signal.Signals) or full in (
+            "SIGKILL",
+            "SIGSTOP",
+        ):
+            raise ValueError(
+                f"KTD_PREEMPTION_SIGNALS={text!r}: {name!r} is not a signal a "
+                "process can catch. Set comma-separated names such as "
+                "SIGTERM,SIGUSR1 (the default), or none to leave every "
+                "signal's own action."
+            )
+        numbers.append(int(number))
+    return tuple(numbers)
+
+
+def preemption_wait():
+    """KTD_PREEMPTION_WAIT in seconds (0: wait forever)."""
+    text, value = _number("KTD_PREEMPTION_WAIT", float, DEFAULT_PREEMPTION_WAIT)
+    if value is None or not 0 <= value <= MAX_TIMEOUT_SECONDS:
+        raise ValueError(
+            f"KTD_PREEMPTION_WAIT={text!r} is not a number of seconds in "
+            f"[0, {MAX_TIMEOUT_SECONDS:.0f}]: it sets how long a signalled "
+            "rank waits for the next step boundary before it exits without "
+            "saving. Set e.g. 20 (the default), 0 to wait forever, or unset it."
+        )
+    return value
+
+
+def slurm_requeue():
+    """KTD_SLURM_REQUEUE: "auto" (default), "0" or "1"."""
+    text = os.environ.get("KTD_SLURM_REQUEUE", "auto").strip().lower()
+    if text not in SLURM_REQUEUE_CHOICES:
+        raise ValueError(
+            f"KTD_SLURM_REQUEUE={text!r} is not a requeue choice: set auto "
+            "(the default: requeue the SLURM job after a preemption by "
+            "SIGUSR1), 1 (after any preemption signal) or 0 (never)."
+        )
+    return text
 
 
 FSDP_GROUPS = ("block", "layer")

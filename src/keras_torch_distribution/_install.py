@@ -17,6 +17,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import saving
 from keras_torch_distribution.batch import adapter
+from keras_torch_distribution.batch import position
 from keras_torch_distribution.batch import random_slices
 from keras_torch_distribution.batch import sync_batch_norm
 from keras_torch_distribution.checkpoint import _dcp
@@ -230,6 +231,20 @@ def _patch_table():
             callbacks.backup_train_end,
             wrap=True,
         ),
+        Patch(
+            k.BackupAndRestore,
+            "_should_save_on_batch",
+            callbacks.backup_should_save_on_batch,
+            wrap=True,
+        ),
+        # Resume: where fit is in its data, saved with backups and resumed
+        # at exactly that batch.
+        Patch(
+            k.EpochIterator,
+            "_enumerate_iterator",
+            position.enumerate_batches,
+            wrap=True,
+        ),
         *_native_distribution_off(k),
     ]
 
@@ -420,6 +435,7 @@ def _state_objects():
         replica_start.equalized,
         copies.pending,
         replicas.batch_weight,
+        position.state,
         replicas.cache,
         layouts.torch_meshes,
     )

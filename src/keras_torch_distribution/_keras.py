@@ -259,6 +259,37 @@ def adam_slots(optimizer, variables):
 DataAdapter = data_adapter.DataAdapter  # the base class of Keras' data adapters
 
 
+def backup_skips_batch_saves(callback):
+    """True for `BackupAndRestore(save_freq=False)`: Keras takes False for
+    the integer 0 and saves after every batch; here it means "no periodic
+    saves" (only at a preemption)."""
+    return callback.save_freq is False
+
+
+def epoch_iterator_source(iterator):
+    """The iterator of batches a Keras EpochIterator draws from now (None
+    before its first, and between epochs when it makes a new one)."""
+    return iterator._current_iterator
+
+
+def epoch_iterator_makes_new_source_each_epoch(iterator):
+    """True when the EpochIterator starts each epoch with a new iterator of
+    batches (`steps_per_epoch` unset); False when one iterator goes on
+    across epochs."""
+    return iterator.steps_per_epoch is None
+
+
+def epoch_iterator_steps_per_execution(iterator):
+    return iterator.steps_per_execution
+
+
+def add_epoch_iterator_batches_seen(iterator, count):
+    """Count `count` batches taken from the EpochIterator's source outside
+    its own loop (it makes a new source once its count reaches the number
+    of batches)."""
+    iterator._steps_seen += count
+
+
 def set_initial_epoch(model, epoch):
     """Make the next `fit` start at `epoch` (as BackupAndRestore does)."""
     model._initial_epoch = epoch
@@ -437,6 +468,7 @@ BaseOptimizer = base_optimizer.BaseOptimizer
 TorchAdam = torch_adam.Adam
 epoch_iterator_data_adapters = epoch_iterator.data_adapters
 BackupAndRestore = keras.callbacks.BackupAndRestore
+EpochIterator = epoch_iterator.EpochIterator
 
 
 # ---------------------------------------------------------------------------

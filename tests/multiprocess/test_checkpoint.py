@@ -233,11 +233,18 @@ def test_callback_saves_every_epoch_keeps_two_and_restores(pool2, tmp_path):
     seen, names, values = pool2.run(callback_fit, directory, 3, False)[0]
     assert seen == [0, 1, 2]
     assert names == ["ckpt-000000008", "ckpt-000000012"]
-    assert checkpoint.read_extra(checkpoint.latest(directory)) == {
-        "epoch": 3,
-        "batch": 0,
-        "step": 12,
-    }
+    extra = checkpoint.read_extra(checkpoint.latest(directory))
+    resume = extra.pop("resume")
+    assert extra == {"epoch": 3, "batch": 0, "step": 12}
+    # Where fit was in its data (test_preemption.py resumes from it).
+    assert (resume["epoch"], resume["batch"]) == (3, 0)
+    assert sorted(resume) == [
+        "batch",
+        "epoch",
+        "rng",
+        "rng_at_source_start",
+        "source_batches",
+    ]
     model = checkpoint_model()
     checkpoint.load(model, checkpoint.latest(directory))
     assert_same_values(checkpoint_values(model), values)
@@ -317,7 +324,9 @@ def backup_twice(backup_dir):
 def test_backup_and_restore_keeps_two_sharded_backups(pool2, tmp_path):
     for names, extras in pool2.run(backup_twice, str(tmp_path / "backup")):
         assert names == ["latest.ckpt", "previous.ckpt"]
+        positions = [extra.pop("resume") for extra in extras]
         assert extras == [{"epoch": 3, "batch": 0}, {"epoch": 2, "batch": 0}]
+        assert [(p["epoch"], p["batch"]) for p in positions] == [(3, 0), (2, 0)]
 
 
 def async_saves_with_pinned_staging(first, second):

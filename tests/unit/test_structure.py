@@ -36,6 +36,7 @@ LAYERS = [
     "saving",
     "batch",
     "checkpoint",
+    "preemption",  # signals: an agreed step, its backup, the exit
     "training",  # the step
     "report",
     "_install",  # the patch table

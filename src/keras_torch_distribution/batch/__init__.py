@@ -8,6 +8,8 @@ Modules, bottom first (a module imports only those above it):
 - `random_slices`: a replica's slice of the random numbers one process draws
   (dropout).
 - `sync_batch_norm`: BatchNormalization's moments over the global batch.
+- `position`: where `fit` is in its data (saved with backups), and a resume
+  at exactly that batch.
 
 Nothing is re-exported: importing the package imports none of them.
 

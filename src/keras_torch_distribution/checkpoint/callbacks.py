@@ -13,6 +13,7 @@ import keras
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
 from keras_torch_distribution import _keras
+from keras_torch_distribution.batch import position
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
@@ -79,9 +80,12 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     into `directory/ckpt-<step>`, with ``extra={"epoch", "batch", "step"}``.
 
     `restore=True` loads the newest complete checkpoint of `directory` when
-    `fit` begins and resumes from the epoch after it (checkpoints taken in
-    the middle of an epoch resume at that epoch's start, as BackupAndRestore
-    does). `max_to_keep` keeps only the newest ones. What crashed saves left
+    `fit` begins and resumes where it was taken: in a multi-process `fit`
+    at exactly that batch, with the data order and random state of the run
+    that wrote it (`batch.position`); otherwise at the start of the epoch
+    it was taken in, as Keras' BackupAndRestore does. A preemption signal
+    also writes one (`preemption`). `max_to_keep` keeps only the newest
+    ones. What crashed saves left
     (``ckpt-<step>.incomplete``) is removed when `fit` begins and after each
     save. `async_save=True` writes in the background; each save completes
     the previous one first and `fit` completes the last before it returns.
@@ -122,6 +126,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self._step = 0
         self._epoch = 0
         self._batches_since_save = 0
+        self._saved_at = None  # the position of the newest save
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._step = 0
@@ -133,10 +138,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
                     _dcp.load(self.model, found, optimizer=self.optimizer) or {}
                 )
                 self._step = int(extra.get("step", 0))
-                _keras.set_initial_epoch(self.model, int(extra.get("epoch", 0)))
-                logger.info(
-                    "resuming from %s (epoch %s)", found, extra.get("epoch")
-                )
+                _resume(self.model, extra, found)
 
     def on_epoch_begin(
         self, epoch: int, logs: dict[str, Any] | None = None
@@ -169,19 +171,59 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             pending.result()
             tidy(self.directory, self.max_to_keep)
 
-    def _save(self, epoch: int, batch: int) -> None:
+    def _save(self, epoch: int, batch: int, synchronous: bool = False) -> str:
         self._complete_pending()
         if runtime.process_id() == 0:
             os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"ckpt-{self._step:09d}")
         extra = {"epoch": epoch, "batch": batch, "step": self._step}
-        if self.async_save:
+        _add_position(extra)
+        self._saved_at = position.reached()
+        if self.async_save and not synchronous:
             self._pending = _dcp.async_save(
                 self.model, path, self.optimizer, extra
             )
         else:
             _dcp.save(self.model, path, self.optimizer, extra)
             tidy(self.directory, self.max_to_keep)
+        return path
+
+    def save_at_preemption(self) -> str | None:
+        """Write a checkpoint at the step `fit` has reached, completely
+        (a pending async save first); None when the newest is already
+        there. Collective: call on every rank."""
+        if self._saved_at == position.reached():
+            self._complete_pending()
+            return None
+        epoch, batch = position.reached()
+        return self._save(epoch, batch, synchronous=True)
+
+
+def _add_position(extra: dict[str, Any]) -> None:
+    """Put where `fit` is in its data into a checkpoint's `extra` (in a
+    multi-process `fit`): the epoch it is in and the batches done, and
+    what a resume at exactly that batch needs."""
+    reached = position.saved()
+    if reached is not None:
+        extra["epoch"] = reached["epoch"]
+        extra["resume"] = reached
+
+
+def _resume(model, extra: dict[str, Any], path: str) -> None:
+    """Make the next `fit` start where the checkpoint at `path` (with this
+    `extra`) was taken."""
+    _keras.set_initial_epoch(model, int(extra.get("epoch", 0)))
+    resume = extra.get("resume")
+    position.resume_from(resume)
+    if resume and resume.get("batch"):
+        logger.info(
+            "resuming from %s at epoch %s, after batch %s",
+            path,
+            resume["epoch"],
+            resume["batch"],
+        )
+    else:
+        logger.info("resuming from %s at epoch %s", path, extra.get("epoch"))
 
 
 # ---------------------------------------------------------------------------
@@ -209,6 +251,32 @@ def backup_save(original, callback):
     """Keras `BackupAndRestore._save_model`. Collective: call on every rank."""
     if not runtime.is_multi_process():
         return original(callback)
+    write_backup(callback)
+    return None
+
+
+def backup_should_save_on_batch(original, callback, batch):
+    """Keras `BackupAndRestore._should_save_on_batch`: with
+    `save_freq=False`, never (Keras took False for 0 and saved after every
+    batch): such a backup is written only at a preemption, and at no epoch
+    end either."""
+    if _keras.backup_skips_batch_saves(callback):
+        return False
+    return original(callback, batch)
+
+
+def backup_at_preemption(callback) -> str | None:
+    """Write `callback`'s backup at the step `fit` has reached; None when
+    its newest backup is already there. Collective: call on every rank."""
+    if getattr(callback, "_ktd_saved_at", None) == position.reached():
+        return None
+    return write_backup(callback)
+
+
+def write_backup(callback) -> str:
+    """Write a BackupAndRestore callback's sharded backup now (the previous
+    one kept as `previous.ckpt` with `double_checkpoint`); its path.
+    Collective: call on every rank."""
     latest_path = os.path.join(callback.backup_dir, BACKUP_NAME)
     if runtime.process_id() == 0:
         os.makedirs(callback.backup_dir, exist_ok=True)
@@ -224,9 +292,11 @@ def backup_save(original, callback):
                 _files.rename(latest_path, previous)
     _files.barrier()
     epoch, batch = _keras.backup_position(callback)
-    _dcp.save(
-        callback.model, latest_path, extra={"epoch": epoch, "batch": batch}
-    )
+    extra = {"epoch": epoch, "batch": batch}
+    _add_position(extra)
+    callback._ktd_saved_at = position.reached()
+    _dcp.save(callback.model, latest_path, extra=extra)
+    return latest_path
 
 
 def backup_load(original, callback):
@@ -254,12 +324,7 @@ def backup_load(original, callback):
                 candidates[index + 1],
             )
             continue
-        _keras.set_initial_epoch(model, int(extra.get("epoch", 0)))
-        logger.info(
-            "BackupAndRestore: resuming at epoch %s from %s",
-            extra.get("epoch"),
-            path,
-        )
+        _resume(model, extra, path)
         return None
     return original(callback)
 

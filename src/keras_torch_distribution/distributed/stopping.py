@@ -9,9 +9,10 @@ the others had left: a gloo "collective mismatch" abort. Here:
 
 - `StopTogether`, the last callback of `fit` on several processes, agrees
   on `model.stop_training` after every batch and every epoch, where Keras'
-  loop reads it: one all-reduce of one flag per rank. When some ranks set
-  it, every rank stops there (as one process would have) and says which
-  ranks stopped.
+  loop reads it: one all-reduce of one integer per rank (the flag, and
+  what a subclass adds: `preemption` sends the signal a rank received).
+  When some ranks set it, every rank stops there (as one process would
+  have) and says which ranks stopped.
 - `ends_together(batches)` yields a batch only when every rank has one:
   per-process inputs of unknown length (Python generators, iterable
   datasets) end on every rank at the step where the first one ended, and
@@ -30,13 +31,20 @@ from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import warn_on_every_rank
 
 
+def codes_of_ranks(code):
+    """Every rank's integer `code`, in rank order, as every rank sees it.
+    One all-reduce of one int32 per rank. Collective: call on every rank."""
+    codes = torch.zeros(runtime.num_processes(), dtype=torch.int32)
+    codes[runtime.process_id()] = int(code)
+    dist.all_reduce(codes, group=runtime.cpu_group())
+    return codes.tolist()
+
+
 def ranks_with_flag(flag):
     """The ranks whose `flag` is true, as every rank sees it. Collective:
     call on every rank."""
-    flags = torch.zeros(runtime.num_processes(), dtype=torch.int32)
-    flags[runtime.process_id()] = int(bool(flag))
-    dist.all_reduce(flags, group=runtime.cpu_group())
-    return [rank for rank, value in enumerate(flags.tolist()) if value]
+    codes = codes_of_ranks(bool(flag))
+    return [rank for rank, value in enumerate(codes) if value]
 
 
 class StopTogether(keras.callbacks.Callback):
@@ -58,7 +66,10 @@ class StopTogether(keras.callbacks.Callback):
         self._agree(f"the end of epoch {epoch}")
 
     def _agree(self, where):
-        stopping = ranks_with_flag(self.model.stop_training)
+        codes = codes_of_ranks(
+            int(bool(self.model.stop_training)) | self.own_code() << 1
+        )
+        stopping = [rank for rank, code in enumerate(codes) if code & 1]
         if stopping and len(stopping) < runtime.num_processes():
             warn_on_every_rank(
                 "model.stop_training was set on rank(s) %s only (by a "
@@ -70,6 +81,16 @@ class StopTogether(keras.callbacks.Callback):
             )
         if stopping:
             self.model.stop_training = True
+        self.agreed([code >> 1 for code in codes], where)
+
+    def own_code(self):
+        """What else this rank tells the others at each agreement, as a
+        non-negative integer (in the same all-reduce)."""
+        return 0
+
+    def agreed(self, codes, where):
+        """Every rank's `own_code()` at this agreement, in rank order."""
+        del codes, where
 
 
 def ends_together(batches):

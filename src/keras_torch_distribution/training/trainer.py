@@ -16,10 +16,12 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import saving
+from keras_torch_distribution.batch import position
 from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import runtime
-from keras_torch_distribution.distributed import stopping
+from keras_torch_distribution.preemption import agreed_stop
+from keras_torch_distribution.preemption import signals
 from keras_torch_distribution.training import boundary
 from keras_torch_distribution.training import gradients
 from keras_torch_distribution.training import metric_states
@@ -149,8 +151,10 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
     before the distribution was set, that it would shard, get one
     warning each, and so do large variables the layout map leaves whole
     (`variables.left_whole`). Ranks that disagree on the call (model,
-    distribution, input sizes) raise, naming the difference. Collective:
-    call on every rank."""
+    distribution, input sizes) raise, naming the difference. A
+    multi-process `fit` under a distribution gets `PreemptTogether` last:
+    the ranks stop together, and a preemption signal writes its backups at
+    one agreed step (`preemption`). Collective: call on every rank."""
     agreement.check(original.__name__, model, args, kwargs)
     distribution = _keras.current_distribution()
     born_sharded.warn_if_created_outside(model.variables, distribution)
@@ -165,10 +169,15 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
         and _keras.current_distribution() is not None
         and runtime.is_multi_process()
     ):
-        kwargs["callbacks"] = _with_last(
-            kwargs.get("callbacks"), stopping.StopTogether(), model
+        callbacks = kwargs.get("callbacks")
+        last = agreed_stop.PreemptTogether(
+            agreed_stop.backup_callbacks(callbacks)
         )
+        kwargs["callbacks"] = _with_last(callbacks, last, model)
     try:
         return original(model, *args, **kwargs)
     finally:
         replicas.batch_weight.forget()
+        if original.__name__ == "fit":
+            signals.release()
+            position.end()
