@@ -381,3 +381,88 @@ class Allocations:
         return max(
             (n for kind, n, _ in self.records if kind == device_type), default=0
         )
+
+
+# ---------------------------------------------------------------------------
+# Preemption (multiprocess/test_preemption.py, e2e/test_preemption_restarts.py,
+# tests/scripts/preempt_fit.py)
+# ---------------------------------------------------------------------------
+
+PREEMPT_EPOCHS = 3
+PREEMPT_BATCHES = 5  # per epoch: 40 rows, batches of 8
+
+
+def preempt_data():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8 * PREEMPT_BATCHES, 6)).astype("float32")
+    y = rng.normal(size=(8 * PREEMPT_BATCHES, 4)).astype("float32")
+    return x, y
+
+
+def preempt_fit(out, attempt, how="none", step=0, rank=1, save_freq="epoch"):
+    """A 2-process DataParallel fit (shuffled, dropout) with
+    BackupAndRestore(out/backup, save_freq). In attempt 0, after its
+    `step`-th batch (1-based, counted over epochs), rank `rank`:
+    `term-self` / `usr1-self` signals itself; `term-outside` writes its
+    pid to out/pid and from then on sleeps 0.3 s per batch (the caller
+    sends the signal); `kill` SIGKILLs itself; `crash` raises. Rank 0 of a
+    run that finishes writes out/attempt<N>.npz (values) and .json (the
+    (epoch, batch) pairs trained). Returns (seen, values)."""
+    import time
+
+    import keras
+
+    from keras_torch_distribution.distributed import runtime
+
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    model = checkpoint_model()
+    x, y = preempt_data()
+    seen = []
+    me = runtime.process_id()
+
+    class Act(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((self.epoch, batch))
+            if attempt != 0 or me != rank:
+                return
+            if len(seen) == step:
+                if how == "term-self":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                elif how == "usr1-self":
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                elif how == "term-outside":
+                    with open(os.path.join(out, "pid.tmp"), "w") as f:
+                        f.write(str(os.getpid()))
+                    os.rename(
+                        os.path.join(out, "pid.tmp"), os.path.join(out, "pid")
+                    )
+                elif how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif how == "crash":
+                    raise RuntimeError(f"crash after step {step}")
+            if how == "term-outside" and len(seen) >= step:
+                time.sleep(0.3)
+
+    backup = keras.callbacks.BackupAndRestore(
+        os.path.join(out, "backup"), save_freq=save_freq
+    )
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=PREEMPT_EPOCHS,
+        verbose=0,
+        callbacks=[backup, Act()],
+    )
+    values = checkpoint_values(model)
+    if me == 0:
+        np.savez(
+            os.path.join(out, f"attempt{attempt}.npz"),
+            **{k.replace("/", "|"): v for k, v in values.items()},
+        )
+        with open(os.path.join(out, f"attempt{attempt}.json"), "w") as f:
+            json.dump({"seen": seen}, f)
+    return seen, values

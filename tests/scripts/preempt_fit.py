@@ -1,0 +1,27 @@
+"""One worker of the 2-process jobs of tests/e2e/test_preemption_restarts.py:
+
+    ktd run -n 2 [--max-restarts 1] preempt_fit.py OUT HOW STEP [SAVE_FREQ]
+
+runs helpers.preempt_fit(OUT, attempt, HOW, STEP): the attempt is
+PREEMPT_ATTEMPT when set (a launch by hand), else torchrun's restart count.
+"""
+
+import os
+import sys
+
+# tests/, for `helpers` (this script's own folder is what Python adds).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+
+import keras_torch_distribution  # noqa: E402,F401
+from helpers import preempt_fit  # noqa: E402
+
+keras.distribution.initialize()
+out, how, step = sys.argv[1:4]
+save_freq = int(sys.argv[4]) if len(sys.argv) > 4 else "epoch"
+attempt = int(
+    os.environ.get("PREEMPT_ATTEMPT")
+    or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+)
+preempt_fit(out, attempt, how, int(step), save_freq=save_freq)
