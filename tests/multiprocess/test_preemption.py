@@ -241,3 +241,54 @@ def test_periodic_checkpoint_resumes_at_its_batch_after_a_crash(
         # Resumed at step 6 (epoch 1, after batch 0): batches 1.. again.
         assert seen[2] == everything[6:]
         assert_same_values(values, reference)
+
+
+def _requeued(directory, log):
+    """SIGUSR1 on rank 1 under a fake SLURM job 123 whose `scontrol` (on
+    PATH) logs its arguments: (exit code, message)."""
+    from keras_torch_distribution import Preempted
+
+    _distribute("dp")
+    x, y = _data()
+    model = checkpoint_model()
+    bin_dir = os.path.join(directory, "bin")
+    os.makedirs(bin_dir, exist_ok=True)
+    scontrol = os.path.join(bin_dir, "scontrol")
+    with open(scontrol, "w") as f:
+        f.write(f'#!/bin/sh\necho "$@" >> {log}\n')
+    os.chmod(scontrol, 0o755)
+    saved = dict(os.environ)
+    os.environ["SLURM_JOB_ID"] = "123"
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ["PATH"]
+    try:
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            verbose=0,
+            callbacks=[
+                _callback("backup", os.path.join(directory, "backup")),
+                _Signal((0, 2), (1,), signal.SIGUSR1),
+            ],
+        )
+    except Preempted as preempted:
+        return preempted.code, str(preempted)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return None, None
+
+
+@pytest.mark.slow
+def test_sigusr1_under_slurm_requeues_the_job_once(pool2, tmp_path):
+    log = tmp_path / "scontrol.log"
+    results = pool2.run(_requeued, str(tmp_path), str(log))
+    for code, message in results:
+        assert code == 128 + signal.SIGUSR1 == 138
+        assert "preempted by SIGUSR1 (received by rank(s) [1])" in message
+    # Rank 0 requeued the job once, after every rank's backup was written,
+    # and says so.
+    assert log.read_text() == "requeue 123\n"
+    assert "SLURM job 123 requeued" in results[0][1]
+    assert "requeue" not in results[1][1]
