@@ -292,3 +292,62 @@ def test_sigusr1_under_slurm_requeues_the_job_once(pool2, tmp_path):
     assert log.read_text() == "requeue 123\n"
     assert "SLURM job 123 requeued" in results[0][1]
     assert "requeue" not in results[1][1]
+
+
+def _preempt_only(directory):
+    """fsdp fit preempted on rank 1 after batch 2 of epoch 1."""
+    from keras_torch_distribution import Preempted
+
+    _distribute("fsdp")
+    x, y = _data()
+    model = checkpoint_model()
+    try:
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=EPOCHS,
+            verbose=0,
+            callbacks=[
+                _callback("backup", directory),
+                _Signal((1, 2), (1,), signal.SIGTERM),
+            ],
+        )
+    except Preempted as preempted:
+        return preempted.code
+    return None
+
+
+def _resume_only(directory):
+    _distribute("fsdp")
+    x, y = _data()
+    model = checkpoint_model()
+    batches = _Batches()
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        verbose=0,
+        callbacks=[_callback("backup", directory), batches],
+    )
+    return batches.seen, checkpoint_values(model)
+
+
+@pytest.mark.slow
+def test_a_backup_from_2_ranks_resumes_at_its_batch_on_4(
+    pool2, pool4, tmp_path
+):
+    directory = str(tmp_path / "backup")
+    assert pool2.run(_preempt_only, directory) == [143, 143]
+    reference = pool2.run(uninterrupted, "fsdp", True)[0]
+    everything = [(e, b) for e in range(EPOCHS) for b in range(5)]
+    for seen, values in pool4.run(_resume_only, directory):
+        # The same global batches, now in 4 replicas' rows: resharded, and
+        # at the agreed batch (the 8th), shuffle included.
+        assert seen == everything[8:]
+        assert sorted(values) == sorted(reference)
+        for key in reference:
+            np.testing.assert_allclose(
+                values[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key
+            )
