@@ -385,3 +385,75 @@ def test_lora_weights_saved_on_two_processes_load_back(
         rtol=RTOL,
         atol=ATOL,
     )
+
+
+# ---------------------------------------------------------------------------
+# Preemption: a tiny Llama under its own layout map, SIGTERM on rank 1 in
+# the middle of an epoch, resumed by BackupAndRestore at that batch.
+# ---------------------------------------------------------------------------
+
+PREEMPT_ROWS = 16  # 4 batches of ROWS per epoch
+
+
+def _preempted_llama(directory, signal_at):
+    """fit 2 epochs (shuffled) with BackupAndRestore(directory); with
+    `signal_at` (a global step), rank 1 SIGTERMs itself after it and the
+    fit is run again. (exit codes, batches trained, weights)."""
+    import signal
+
+    import keras
+
+    from keras_torch_distribution import Preempted
+    from keras_torch_distribution.distributed import runtime
+
+    set_distribution("llama", "model")
+    x, y, _ = data(PREEMPT_ROWS)
+    seen, codes = [], []
+
+    class Signal(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+            if len(seen) == signal_at and runtime.process_id() == 1:
+                signal.raise_signal(signal.SIGTERM)
+
+    for attempt in range(2 if signal_at else 1):
+        model = build("llama")
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        try:
+            model.fit(
+                x,
+                y,
+                batch_size=ROWS,
+                epochs=2,
+                verbose=0,
+                callbacks=[
+                    keras.callbacks.BackupAndRestore(directory),
+                    Signal(),
+                ],
+            )
+            codes.append(0)
+        except Preempted as preempted:
+            codes.append(preempted.code)
+    weights = {v.path: np.asarray(v) for v in model.trainable_weights}
+    return codes, seen, weights
+
+
+@pytest.mark.slow
+def test_preempted_llama_resumes_with_uninterrupted_weights(pool2, tmp_path):
+    (_, seen, reference), _ = pool2.run(
+        _preempted_llama, str(tmp_path / "reference"), None, timeout=600
+    )
+    assert seen == [0, 1, 2, 3] * 2
+    results = pool2.run(
+        _preempted_llama, str(tmp_path / "backup"), 6, timeout=600
+    )
+    for codes, seen, weights in results:
+        assert codes == [143, 0]
+        # 6 batches, then the rest: epoch 1 from its batch 2 on.
+        assert seen == [0, 1, 2, 3, 0, 1] + [2, 3]
+        assert sorted(weights) == sorted(reference)
+        for path in reference:
+            np.testing.assert_array_equal(weights[path], reference[path], path)
