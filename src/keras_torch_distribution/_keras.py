@@ -283,6 +283,22 @@ def epoch_iterator_steps_per_execution(iterator):
     return iterator.steps_per_execution
 
 
+def epoch_iterator_data_adapter(iterator):
+    return iterator.data_adapter
+
+
+def data_adapter_epoch(adapter):
+    """The epoch count a Keras data adapter seeds its shuffle with
+    (`_epoch`: Keras 3.16's array and PyDataset adapters); None where it
+    has none (Keras 3.15 shuffles with torch's global generator)."""
+    value = getattr(adapter, "_epoch", None)
+    return value if isinstance(value, int) else None
+
+
+def set_data_adapter_epoch(adapter, epoch):
+    adapter._epoch = epoch
+
+
 def add_epoch_iterator_batches_seen(iterator, count):
     """Count `count` batches taken from the EpochIterator's source outside
     its own loop (it makes a new source once its count reaches the number

@@ -239,6 +239,8 @@ def test_callback_saves_every_epoch_keeps_two_and_restores(pool2, tmp_path):
     # Where fit was in its data (test_preemption.py resumes from it).
     assert (resume["epoch"], resume["batch"]) == (3, 0)
     assert sorted(resume) == [
+        "adapter_epoch",
+        "adapter_epoch_at_source_start",
         "batch",
         "epoch",
         "rng",

@@ -246,5 +246,11 @@ class _WrappedDataAdapter(_keras.DataAdapter):
         self._inner.on_epoch_end()
 
 
+def keras_adapter(data_adapter):
+    """The Keras data adapter inside `data_adapter` (this module's wrapper
+    or a Keras adapter itself)."""
+    return getattr(data_adapter, "_inner", data_adapter)
+
+
 def _wrap(adapter, transform, num_batches):
     return _WrappedDataAdapter(adapter, transform, num_batches)

@@ -8,17 +8,18 @@ one (and a mid-epoch backup trains the epoch's first batches twice). Here,
 during a multi-process `fit` (`start()` .. `end()`), the training loop's
 `EpochIterator._enumerate_iterator` is followed (`enumerate_batches`):
 
-- which iterator of batches (the "source") the epoch draws from, torch's
-  global RNG state just before that source was made (the shuffle order is
-  drawn from it), and how many batches were taken from it;
+- which iterator of batches (the "source") the epoch draws from, what its
+  shuffle order was drawn from just before it was made (torch's global RNG
+  state on Keras 3.15; the data adapter's epoch count, its seed, on 3.16),
+  and how many batches were taken from it;
 - how many batches of the current epoch are done, and whether the epoch's
   batches are all done.
 
-`saved()` gives that, with the RNG state now, as JSON for a backup's
+`saved()` gives that, with the same state now, as JSON for a backup's
 `extra`; `resume_from(extra)` asks the next training loop to continue there:
-the source is made again from the saved RNG state, the batches done are
+the source is made again from the saved state, the batches done are
 taken from it and dropped (arrays: slices of the global batch; other inputs:
-read and dropped), and the RNG state is set to the saved one, so the
+read and dropped), and the state is set to the one saved, so the
 resumed run sees the same batches and random draws as the uninterrupted
 one. Keras' step numbers in the resumed epoch go on from the batch reached.
 """
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution.batch import adapter
 
 
 def _encode(rng: torch.Tensor) -> str:
@@ -45,17 +47,31 @@ def _decode(text: str) -> torch.Tensor:
 class _Tracker:
     """The training loop's position in its data."""
 
-    def __init__(self):
+    def __init__(self, iterator):
+        self.adapter = adapter.keras_adapter(
+            _keras.epoch_iterator_data_adapter(iterator)
+        )
         self.source = None
         self.rng_at_source_start = None
+        self.adapter_epoch_at_source_start = None
         self.source_batches = 0
         self.epoch_batches = 0
         self.epoch_done = False
 
-    def new_source(self, source, rng_before):
+    def new_source(self, source, before):
         self.source = source
-        self.rng_at_source_start = rng_before
+        self.rng_at_source_start, self.adapter_epoch_at_source_start = before
         self.source_batches = 0
+
+    def shuffle_state(self):
+        """What the next source's order is drawn from: torch's global RNG
+        state (Keras 3.15), and the adapter's epoch count (3.16)."""
+        return torch.get_rng_state(), _keras.data_adapter_epoch(self.adapter)
+
+    def set_shuffle_state(self, rng, adapter_epoch):
+        torch.set_rng_state(rng)
+        if adapter_epoch is not None:
+            _keras.set_data_adapter_epoch(self.adapter, adapter_epoch)
 
 
 class _State:
@@ -108,14 +124,19 @@ def saved() -> dict[str, Any] | None:
     if not state.running or tracker is None:
         return None
     epoch, batch = reached()
+    rng, adapter_epoch = tracker.shuffle_state()
     position = {
         "epoch": epoch,
         "batch": batch,
         "source_batches": tracker.source_batches,
-        "rng": _encode(torch.get_rng_state()),
+        "rng": _encode(rng),
+        "adapter_epoch": adapter_epoch,
     }
     if tracker.rng_at_source_start is not None:
         position["rng_at_source_start"] = _encode(tracker.rng_at_source_start)
+        position["adapter_epoch_at_source_start"] = (
+            tracker.adapter_epoch_at_source_start
+        )
     return position
 
 
@@ -131,7 +152,7 @@ def enumerate_batches(original, iterator):
     `resume_from` asked."""
     resume = None
     if state.running and state.tracker is None:
-        state.tracker = _Tracker()
+        state.tracker = _Tracker(iterator)
         state.iterator = iterator
         resume, state.pending = state.pending, None
     if not state.running or iterator is not state.iterator:
@@ -157,18 +178,18 @@ def enumerate_batches(original, iterator):
 
 def _pull(steps, iterator, tracker):
     """The next (begin, end, source) step of Keras' loop, or None at the
-    epoch's end; notes a new source with the RNG state it was made from."""
-    rng_before = torch.get_rng_state()
+    epoch's end; notes a new source with the shuffle state it was made from."""
+    before = tracker.shuffle_state()
     source = _keras.epoch_iterator_source(iterator)
     try:
         item = next(steps)
     except StopIteration:
         made = _keras.epoch_iterator_source(iterator)
         if made is not None and made is not source:
-            tracker.new_source(made, rng_before)  # for the next epoch
+            tracker.new_source(made, before)  # for the next epoch
         return None
     if item[2] is not tracker.source:
-        tracker.new_source(item[2], rng_before)
+        tracker.new_source(item[2], before)
     count = _keras.epoch_iterator_steps_per_execution(iterator)
     tracker.source_batches += count
     tracker.epoch_batches += count
@@ -178,14 +199,14 @@ def _pull(steps, iterator, tracker):
 def _resume(steps, iterator, tracker, resume):
     """Take the batches the interrupted run had done in this epoch; the
     first step still to train, or None when the epoch has none left."""
-    rng = _decode(resume["rng"])
+    now = (_decode(resume["rng"]), resume.get("adapter_epoch"))
     batch = int(resume.get("batch", 0))
     if batch == 0 and _keras.epoch_iterator_makes_new_source_each_epoch(
         iterator
     ):
-        # The uninterrupted run made this epoch's source from the RNG
-        # state it had at the backup.
-        torch.set_rng_state(rng)
+        # The uninterrupted run made this epoch's source from the state
+        # it had at the backup.
+        tracker.set_shuffle_state(*now)
         return _pull(steps, iterator, tracker)
     if "rng_at_source_start" not in resume:
         raise ValueError(
@@ -194,7 +215,10 @@ def _resume(steps, iterator, tracker, resume):
             "BackupAndRestore or ShardedCheckpoint in a multi-process fit; "
             "remove the backup directory to start over."
         )
-    torch.set_rng_state(_decode(resume["rng_at_source_start"]))
+    tracker.set_shuffle_state(
+        _decode(resume["rng_at_source_start"]),
+        resume.get("adapter_epoch_at_source_start"),
+    )
     item = _pull(steps, iterator, tracker)  # makes the source
     extra = int(resume.get("source_batches", batch)) - batch
     if item is not None and extra > 0:
@@ -205,14 +229,14 @@ def _resume(steps, iterator, tracker, resume):
     to_skip = batch // count
     skipped = 0
     if to_skip == 0:
-        torch.set_rng_state(rng)
+        tracker.set_shuffle_state(*now)
     while skipped < to_skip and item is not None:
         _drop(item[2], count, resume)
         skipped += 1
         if skipped == to_skip:
             # Before the next pull: at an epoch's end it makes the next
             # source, from the state the uninterrupted run had then.
-            torch.set_rng_state(rng)
+            tracker.set_shuffle_state(*now)
         item = _pull(steps, iterator, tracker)
     if skipped < to_skip:
         _ran_out(resume)
