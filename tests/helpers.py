@@ -405,13 +405,18 @@ def preempt_fit(out, attempt, how="none", step=0, rank=1, save_freq="epoch"):
     `step`-th batch (1-based, counted over epochs), rank `rank`:
     `term-self` / `usr1-self` signals itself; `term-outside` writes its
     pid to out/pid and from then on sleeps 0.3 s per batch (the caller
-    sends the signal); `kill` SIGKILLs itself; `crash` raises. Rank 0 of a
-    run that finishes writes out/attempt<N>.npz (values) and .json (the
-    (epoch, batch) pairs trained). Returns (seen, values)."""
+    sends the signal); `kill` SIGKILLs itself; `crash` raises. With
+    `kill-while-saving` the fit saves with ShardedCheckpoint(out/backup,
+    save_freq=1, async_save=True, restore=True) instead, and rank `rank`
+    SIGKILLs itself in the middle of writing the save of that step. Rank 0
+    of a run that finishes writes out/attempt<N>.npz (values) and .json
+    (the (epoch, batch) pairs trained). Returns (seen, values)."""
     import time
 
     import keras
 
+    from keras_torch_distribution.checkpoint import ShardedCheckpoint
+    from keras_torch_distribution.checkpoint import _dcp
     from keras_torch_distribution.distributed import runtime
 
     keras.distribution.set_distribution(keras.distribution.DataParallel())
@@ -446,9 +451,26 @@ def preempt_fit(out, attempt, how="none", step=0, rank=1, save_freq="epoch"):
             if how == "term-outside" and len(seen) >= step:
                 time.sleep(0.3)
 
-    backup = keras.callbacks.BackupAndRestore(
-        os.path.join(out, "backup"), save_freq=save_freq
-    )
+    if how == "kill-while-saving":
+        backup = ShardedCheckpoint(
+            os.path.join(out, "backup"),
+            save_freq=1,
+            async_save=True,
+            restore=True,
+        )
+        if attempt == 0 and me == rank:
+            real_open = _dcp._open
+
+            def dying_open(path, mode):
+                if f"ckpt-{step:09d}" in str(path):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real_open(path, mode)
+
+            _dcp._open = dying_open
+    else:
+        backup = keras.callbacks.BackupAndRestore(
+            os.path.join(out, "backup"), save_freq=save_freq
+        )
     model.fit(
         x,
         y,

@@ -10,6 +10,9 @@ BackupAndRestore, 3 epochs of 5 batches):
   crashes: torchrun restarts the workers, which resume (from the agreed
   step; from the newest periodic backup after a kill or a crash) and end
   with the uninterrupted run's weights.
+- A rank SIGKILLed while an async `ShardedCheckpoint` save is being
+  written: the save cut short is never read; launched again, the job
+  resumes from the save before it.
 
 The uninterrupted run is the same function on the session's pool.
 """
@@ -178,4 +181,23 @@ def test_max_restarts_resumes_by_itself(
     assert not (tmp_path / "attempt0.json").exists()  # attempt 0 stopped
     assert _seen(tmp_path, 1) == EVERY_BATCH[resumed_after:], output[-4000:]
     assert not (tmp_path / "backup").exists()
+    assert_same_values(_values(tmp_path / "attempt1.npz"), reference)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_an_async_save_resumes_from_the_save_before(
+    reference, tmp_path
+):
+    # Rank 1 dies while writing the checkpoint of step 7; launched again,
+    # the job resumes from step 6's and never reads the one cut short.
+    code, output = _finish(_launch(tmp_path, "kill-while-saving", 7))
+    assert code != 0, output[-4000:]
+    names = sorted(os.listdir(tmp_path / "backup"))
+    assert "ckpt-000000007.incomplete" in names, names
+    assert "ckpt-000000006" in names, names
+    code, output = _finish(_launch(tmp_path, "kill-while-saving", 7, attempt=1))
+    assert code == 0, output[-4000:]
+    assert _seen(tmp_path, 1) == EVERY_BATCH[6:]
+    names = sorted(os.listdir(tmp_path / "backup"))
+    assert not [n for n in names if n.endswith(".incomplete")], names
     assert_same_values(_values(tmp_path / "attempt1.npz"), reference)
