@@ -211,6 +211,9 @@ def _patch_table():
         Patch(k.Model, "save", saving.save, wrap=True),
         Patch(k.Model, "save_weights", saving.save_weights, wrap=True),
         Patch(k.Model, "summary", saving.summary, wrap=True),
+        Patch(
+            k.keras_file_utils_module, "makedirs", saving.makedirs, wrap=True
+        ),
         *[
             Patch(store, name, replacement, wrap=True)
             for store in k.KERAS_FILE_STORES

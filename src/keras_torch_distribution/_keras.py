@@ -55,6 +55,7 @@ from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator
 from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter
+from keras.src.utils import file_utils
 from keras.src.utils import rng_utils
 
 SUPPORTED_KERAS = ((3, 15, 1), (3, 17, 0))  # [min, max): the ones tested
@@ -485,6 +486,9 @@ TorchAdam = torch_adam.Adam
 epoch_iterator_data_adapters = epoch_iterator.data_adapters
 BackupAndRestore = keras.callbacks.BackupAndRestore
 EpochIterator = epoch_iterator.EpochIterator
+# `makedirs`, which Keras' callbacks and saving look up as an attribute of
+# this module (`file_utils.makedirs(...)`) when they call it.
+keras_file_utils_module = file_utils
 
 
 # ---------------------------------------------------------------------------

@@ -11,7 +11,10 @@ writing at a path writes into a scratch directory instead, and closing a
 store waits until every rank has closed its own, so rank 0's file is
 complete when any rank goes on (to read it back, say).
 File-writing callbacks (CSVLogger, TensorBoard) write, and `model.summary()`
-prints, from rank 0 only.
+prints, from rank 0 only. ModelCheckpoint runs on every rank (its saves are
+collective), and so does the folder Keras makes for its files when it finds
+none: the ranks race to make it, so a folder another rank made meanwhile is
+no error (`makedirs`).
 """
 
 import copy
@@ -96,6 +99,25 @@ def store_close(original, store):
             shutil.rmtree(scratch, ignore_errors=True)
         if collective:
             dist.barrier(group=runtime.cpu_group())
+
+
+def makedirs(original, path):
+    """Keras `file_utils.makedirs`: in multi-process runs a folder that
+    exists when it is made (another rank made it meanwhile) is no error.
+
+    Keras' callbacks and saving call it on every rank after finding that
+    the folder does not exist (ModelCheckpoint for its file's folder,
+    BackupAndRestore in one process, `saving_lib`'s folders); ranks that
+    share a file system race between the two. Keras' own behaviour is
+    kept in one process, for remote paths (whose `makedirs` never fails on
+    an existing folder) and for a path that exists but is not a folder.
+    """
+    try:
+        return original(path)
+    except FileExistsError:
+        if runtime.is_multi_process() and os.path.isdir(path):
+            return None
+        raise
 
 
 def summary(original, model, *args, **kwargs):
