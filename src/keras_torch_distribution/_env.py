@@ -28,6 +28,9 @@ variable, the value and what is accepted:
 - KTD_FSDP_PREFETCH: how many FSDP groups' gathers may be in flight ahead
   of the one in use, in forward and in backward; 0 turns prefetch off;
   default 1 on CUDA, 0 on CPU (the caller's default).
+- KTD_MAX_RESTARTS: how many times the local processes `initialize()`
+  starts are started again after one of them fails (torchrun's
+  --max-restarts for them), an integer >= 0; default 0.
 
 Imports nothing from the package, so every module may use it.
 """
@@ -186,5 +189,22 @@ def fsdp_prefetch(default):
             "an integer >= 0 (how many groups' gathers may be in flight ahead "
             "of the one in use; 0 turns prefetch off), or unset it (1 on "
             "CUDA, 0 on CPU)."
+        )
+    return value
+
+
+def max_restarts():
+    """KTD_MAX_RESTARTS as an int >= 0 (default 0)."""
+    text, value = _number("KTD_MAX_RESTARTS", int, 0)
+    if text is None:
+        return value
+    if value is None or value < 0:
+        raise ValueError(
+            f"KTD_MAX_RESTARTS={text!r} is not a number of restarts: set a "
+            "whole number >= 0 (how many times the processes that "
+            "initialize() starts are started again after one fails or is "
+            "preempted; a restart runs the script again, and with "
+            "keras.callbacks.BackupAndRestore resumes from its newest backup), "
+            "e.g. KTD_MAX_RESTARTS=3, or unset it (0, the default: none)."
         )
     return value

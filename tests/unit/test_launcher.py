@@ -19,6 +19,9 @@ from keras_torch_distribution import launch
 # --------------------------------------------------------------------------
 
 _LAUNCH = ["-m", "keras_torch_distribution.launch"]
+# torchrun's default signals and SIGUSR1, which `ktd run` adds
+# (unit/test_launch_restarts.py).
+_SIGNALS = ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 
 
 def test_torchrun_arguments_one_node_is_standalone():
@@ -28,6 +31,7 @@ def test_torchrun_arguments_one_node_is_standalone():
         "--nproc-per-node",
         "2",
         "--standalone",
+        *_SIGNALS,
         *_LAUNCH,
         "train.py",
         "--lr",
@@ -41,6 +45,7 @@ def test_torchrun_arguments_one_node_is_standalone():
         "--max-restarts",
         "1",
         "--standalone",
+        *_SIGNALS,
         *_LAUNCH,
         "train.py",
     ]
@@ -52,6 +57,7 @@ def test_torchrun_arguments_one_node_is_standalone():
         "--nproc-per-node",
         "2",
         "--standalone",
+        *_SIGNALS,
         *_LAUNCH,
         "t.py",
     ]
@@ -83,6 +89,7 @@ def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
         "127.0.0.1:29400",
         "--nproc-per-node",
         "1",
+        *_SIGNALS,
         *_LAUNCH,
         "train.py",
         "-x",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import seeds
+from keras_torch_distribution.launch import agent_store
 from keras_torch_distribution.launch import environments
 from keras_torch_distribution.launch import spawn
 from keras_torch_distribution.log import logger
@@ -335,6 +336,11 @@ def _init_process_group(
                 init_method, rank, world_size, timeout
             )
             store.set_timeout(timeout)
+            if agent_store.uses_agent_store():
+                # torchrun's store keeps earlier attempts' keys: a new prefix.
+                store = agent_store.fresh_namespace(
+                    store, rank, world_size, timeout
+                )
         bound = {}
         if uses_cuda():
             if local_rank is None:

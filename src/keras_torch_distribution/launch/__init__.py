@@ -1,5 +1,7 @@
 """Starting processes: which launcher started this one, and starting more.
 
+- `agent_store`: a key space of its own for each start of the processes on
+  torchrun's store, which keeps the keys of earlier attempts.
 - `hostlist`: SLURM node lists ("rack[1-2]-node[01-04]") expanded.
 - `record`: the `Launch` record (what `initialize()` does here) and
   readers of launcher variables whose errors name them.

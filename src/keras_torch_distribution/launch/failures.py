@@ -1,4 +1,5 @@
-"""Why a launch failed: the one line naming the process that failed first.
+"""Why a launch failed: the one line naming the process that failed first
+(or was preempted: it exited with 128 + SIGTERM or SIGUSR1, resumable).
 
 Used by `ktd run` and by the local processes `initialize()` starts (both
 run torch's elastic agent, whose `ChildFailedError.failures` this reads).
@@ -43,6 +44,18 @@ _SIGNAL_CAUSES = {
         "It ran an instruction this CPU lacks (a library built for another "
         "CPU) or hit a failed native check."
     ),
+    "SIGUSR1": (
+        "SIGUSR1 is SLURM's warning before a job's end (`--signal=USR1@N`) or "
+        "a `kill -USR1`; nothing in the rank handled it, so it ended."
+    ),
+}
+# A rank that stops on one of these signals exits with 128 + its number (as
+# a shell reports a signal's end): 143, 138. Its job is resumable.
+_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+# How each launcher restarts its processes after one fails.
+_RESTARTS = {
+    "ktd run": "`ktd run --max-restarts N`",
+    "keras.distribution.initialize()": "KTD_MAX_RESTARTS=N",
 }
 _NO_ERROR_FILE = "<N/A>"  # torchrun's ProcessFailure.error_file without one
 _MAX_CAUSE_CHARS = 400
@@ -64,8 +77,9 @@ def first_failure(failures):
         failure = failures[rank]
         exception = _exception(failure)
         lost_peer = bool(exception and _LOST_PEER.search(exception))
-        maybe_stopped = (
-            exception is None and failure.exitcode == -signal.SIGTERM
+        maybe_stopped = exception is None and failure.exitcode in (
+            -signal.SIGTERM,
+            128 + signal.SIGTERM,  # stopped, by a rank that handles SIGTERM
         )
         return (lost_peer, failure.timestamp, maybe_stopped, rank)
 
@@ -80,6 +94,9 @@ def failure_summary(failures, launcher="ktd run"):
     rank, failure = first_failure(failures)
     who = f"{launcher}: rank {rank} (local rank {failure.local_rank})"
     exception = _exception(failure)
+    preempted_by = preemption_signal(failure.exitcode)
+    if preempted_by is not None:
+        return _preempted(who, failure, preempted_by, exception, launcher)
     if exception is None and failure.exitcode < 0:
         signal_name = failure.signal_name()
         return (
@@ -108,6 +125,28 @@ def failure_summary(failures, launcher="ktd run"):
         f"{lost_peer} torchrun stopped the other processes; that rank's "
         "traceback is above. If a rank hangs instead, KTD_TIMEOUT_SECONDS "
         "bounds how long collectives wait for it."
+    )
+
+
+def preemption_signal(exitcode):
+    """ "SIGTERM" or "SIGUSR1" for a rank that exited with 128 + that
+    signal's number (143, 138: it stopped on a preemption signal), else
+    None."""
+    for name in _PREEMPTION_SIGNALS:
+        if exitcode == 128 + getattr(signal, name):
+            return name
+    return None
+
+
+def _preempted(who, failure, signal_name, exception, launcher):
+    """The summary for a rank that stopped on a preemption signal."""
+    said = f": {_cause(exception)}" if exception else "."
+    restarts = _RESTARTS.get(launcher, "torchrun's --max-restarts N")
+    return (
+        f"{who} was preempted by {signal_name} (exit code "
+        f"{failure.exitcode}){said} It is resumable: relaunch the job, or "
+        f"use {restarts} to restart it in place (keras.callbacks."
+        "BackupAndRestore resumes from its newest backup)."
     )
 
 

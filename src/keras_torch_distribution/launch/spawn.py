@@ -10,7 +10,10 @@ which starts `nproc` processes running the same script again, with rank =
 node_rank * nproc + local index, and waits for them. So failures, signals
 and exit codes are torchrun's: when one process fails, the agent stops the
 others and this process exits non-zero naming the one that failed first; a
-signal to this process (SIGTERM, SIGINT, ...) stops them all; and each
+signal to this process (SIGTERM, SIGINT, ..., and SIGUSR1, SLURM's warning
+before a job's end) is passed on to them and stops them all; with
+KTD_MAX_RESTARTS=N the agent starts them all again up to N times after one
+fails (torchrun's --max-restarts; never after a signal to the agent); and each
 process dies with this one even when it is SIGKILLed (see `__main__`). On
 success this process exits 0 without running the rest of the script
 (it never trains).
@@ -29,6 +32,7 @@ import threading
 import uuid
 
 import keras_torch_distribution.launch.environments as environments
+from keras_torch_distribution import _env
 from keras_torch_distribution.launch.failures import failure_summary
 
 # The directory Python started in: the script's relative paths (its own
@@ -43,6 +47,13 @@ LAUNCHER_NAME = "keras.distribution.initialize()"
 # each started process dies with it (see launch/__main__.py).
 PARENT_PID_VARIABLE = "KTD_PARENT_PID"
 _RUNNER = "keras_torch_distribution.launch"
+# The signals torch's elastic agent handles by default (torch 2.11 to 2.15,
+# torchrun's --signals-to-handle): it stops its processes with the signal
+# it got and exits. SIGUSR1 is added (`handled_signals`): SLURM's
+# `--signal=USR1@90` warns of the end of a job with it, whose default
+# action would kill the agent and leave its processes unwarned.
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+EXTRA_SIGNALS = ("SIGUSR1",)
 
 
 def why_not(first_use=None, environ=os.environ):
@@ -97,10 +108,21 @@ def child_command(argv=None, main=None):
     return ["-u", *flags, "-m", _RUNNER, *target, *argv[1:]]
 
 
+def handled_signals(signals=DEFAULT_SIGNALS):
+    """`signals` (torch's comma-separated signal names) with SIGUSR1 added
+    where it is missing: the signals the elastic agent passes on to its
+    processes."""
+    names = [name.strip() for name in signals.split(",") if name.strip()]
+    names += [name for name in EXTRA_SIGNALS if name not in names]
+    return ",".join(names)
+
+
 def start_processes(launch, timeout_seconds):
     """Run this node's `launch.nproc` processes of `launch` under torch's
     elastic agent and exit when they end: 0 when all succeed, otherwise
-    naming the process that failed first. Never returns."""
+    naming the process that failed first. Never returns. The agent starts
+    them again up to KTD_MAX_RESTARTS times after one fails, and passes
+    SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 on to them."""
     from torch.distributed.elastic.multiprocessing.errors import (
         ChildFailedError,
     )
@@ -129,8 +151,9 @@ def start_processes(launch, timeout_seconds):
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_configs=dict(rendezvous, timeout=int(max(timeout_seconds, 1))),
-        max_restarts=0,
+        max_restarts=_env.max_restarts(),
         monitor_interval=0.1,
+        signals_to_handle=handled_signals(),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun, for nproc > 1
     os.environ[LAUNCHED_VARIABLE] = "1"

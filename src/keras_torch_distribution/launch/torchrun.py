@@ -9,17 +9,22 @@ it, so an unchanged Keras-on-JAX distribution script runs on torch.
 
 When a rank fails, torchrun stops the others and `ktd run` exits non-zero
 with a last line naming the rank that failed first and its exception (or
-the signal that killed it). Bad arguments and settings are refused before
-any rank starts.
+the signal that killed it, or the preemption signal it stopped on); with
+`--max-restarts N` torchrun starts every rank again instead, up to N times.
+SIGUSR1 is added to the signals torchrun's agent passes on to the ranks.
+Bad arguments and settings are refused before any rank starts.
 """
 
 import errno
 import os
+import signal
 import socket
+import sys
 
 from keras_torch_distribution import _env
 from keras_torch_distribution.launch.failures import failure_summary
 from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
+from keras_torch_distribution.launch.spawn import handled_signals
 
 _OWN_OPTIONS = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
 # Options that tell torchrun where the other nodes are: with any of them (or
@@ -46,6 +51,12 @@ _UNSUPPORTED_OPTIONS = (
     "--run-path",
     "--run_path",
 )
+# torchrun's option for the signals its agent passes on to the ranks. Unless
+# it is given (or PET_SIGNALS_TO_HANDLE, its variable), `ktd run` gives
+# torchrun's default with SIGUSR1 added: SLURM's `--signal=USR1@90` then
+# reaches the ranks instead of killing the agent (SIGUSR1's default action).
+_SIGNALS_OPTIONS = ("--signals-to-handle", "--signals_to_handle")
+_SIGNALS_VARIABLE = "PET_SIGNALS_TO_HANDLE"
 # Words torchrun accepts for --nproc-per-node besides a number.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
@@ -68,7 +79,9 @@ def torchrun_arguments(argv):
     torchrun's and passes through unchanged. One node (no rendezvous option,
     `--nnodes` absent or 1) gets `--standalone`, a private rendezvous on a
     free port; otherwise torchrun's rendezvous options decide, e.g.
-    `--nnodes 2 --rdzv-backend c10d --rdzv-endpoint host:port`.
+    `--nnodes 2 --rdzv-backend c10d --rdzv-endpoint host:port`. Without
+    --signals-to-handle (or PET_SIGNALS_TO_HANDLE), SIGUSR1 is added to
+    torchrun's default signals, which its agent passes on to the ranks.
     """
     flags = _flag_options()
     arguments = []
@@ -111,12 +124,26 @@ def torchrun_arguments(argv):
     )
     if not multi_node and "--standalone" not in arguments:
         arguments.append("--standalone")
+    if _SIGNALS_VARIABLE not in os.environ and not any(
+        a.split("=")[0] in _SIGNALS_OPTIONS for a in arguments
+    ):
+        arguments.extend(["--signals-to-handle", _signals_to_handle()])
     script, script_args = argv[index], argv[index + 1 :]
     return (
         arguments
         + ["-m", "keras_torch_distribution.launch", script]
         + script_args
     )
+
+
+def _signals_to_handle():
+    """torchrun's default --signals-to-handle with SIGUSR1 added."""
+    from torch.distributed import run as torch_run
+
+    for action in torch_run.get_args_parser()._actions:
+        if action.dest == "signals_to_handle":
+            return handled_signals(action.default)
+    return handled_signals()
 
 
 def _check_nproc(option, value):
@@ -191,6 +218,7 @@ def run(argv):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from torch.distributed import DistNetworkError
     from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import (
         ChildFailedError,
     )
@@ -211,6 +239,17 @@ def run(argv):
         raise SystemExit(
             f"{error}\n{failure_summary(error.failures)}"
         ) from None
+    except SignalException as error:
+        # torchrun's agent got a signal it handles (SIGTERM, SIGUSR1, ...),
+        # passed it on to the ranks, stopped them and does not restart them.
+        name = signal.Signals(error.sigval).name
+        print(
+            f"ktd run: got {name}; torchrun passed it on to the ranks and "
+            f"stopped them. Exiting with {128 + error.sigval}, as a process "
+            f"ended by {name}.",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + error.sigval) from None
     except DistNetworkError as error:
         if port is None or "EADDRINUSE" not in str(error):
             raise
