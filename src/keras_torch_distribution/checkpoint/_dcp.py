@@ -757,11 +757,16 @@ def complete_at_exit() -> None:
         )
         try:
             handle.result()
-        except CheckpointError as error:
+        except (CheckpointError, RuntimeError) as error:
+            # RuntimeError: torch's collective errors (a peer is gone). The
+            # exit sequence goes on; the save stays incomplete, never loaded.
             logger.error(
-                "completing checkpoint.async_save to %s at exit failed: %s",
+                "completing checkpoint.async_save to %s at exit failed (%s): "
+                "%s stays incomplete and is never loaded; the next start "
+                "uses the newest complete checkpoint.",
                 handle.path,
                 error,
+                handle.path + _files.INCOMPLETE_SUFFIX,
             )
 
 
