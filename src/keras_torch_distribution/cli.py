@@ -98,7 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "run":
         from keras_torch_distribution import launch
 
-        launch.run(rest)
+        try:
+            launch.run(rest)
+        except launch.Signalled as stopped:
+            print(stopped.message, file=sys.stderr)
+            return stopped.code
         return 0
     if command == "env":
         return print_env()

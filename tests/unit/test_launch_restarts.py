@@ -204,6 +204,9 @@ def test_a_signal_to_ktd_run_ends_it_with_128_plus_the_signal(
     with pytest.raises(SystemExit) as exited:
         launch.run(["-n", "2", "t.py"])
     assert exited.value.code == 138
+    from keras_torch_distribution import cli
+
+    assert cli.main(["run", "-n", "2", "t.py"]) == 138
     assert capsys.readouterr().err == (
         "ktd run: got SIGUSR1; torchrun passed it on to the ranks and stopped "
         "them. Exiting with 138, as a process ended by SIGUSR1.\n"

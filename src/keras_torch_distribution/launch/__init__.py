@@ -22,5 +22,6 @@
 
 from keras_torch_distribution.launch.failures import failure_summary  # noqa: F401
 from keras_torch_distribution.launch.failures import first_failure  # noqa: F401
+from keras_torch_distribution.launch.torchrun import Signalled  # noqa: F401
 from keras_torch_distribution.launch.torchrun import run  # noqa: F401
 from keras_torch_distribution.launch.torchrun import torchrun_arguments  # noqa: F401

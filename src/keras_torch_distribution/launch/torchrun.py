@@ -19,7 +19,6 @@ import errno
 import os
 import signal
 import socket
-import sys
 
 from keras_torch_distribution import _env
 from keras_torch_distribution.launch.failures import failure_summary
@@ -213,6 +212,16 @@ def _check_port_free(port):
             ) from None
 
 
+class Signalled(SystemExit):
+    """`ktd run`'s torchrun agent got a signal it handles, passed it on to
+    the ranks and stopped them: exit with 128 + the signal (as a process
+    that signal ended), after `message` (printed by `ktd`)."""
+
+    def __init__(self, signal_number, message):
+        super().__init__(128 + signal_number)
+        self.message = message
+
+
 def run(argv):
     os.environ.setdefault("KERAS_BACKEND", "torch")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -243,13 +252,12 @@ def run(argv):
         # torchrun's agent got a signal it handles (SIGTERM, SIGUSR1, ...),
         # passed it on to the ranks, stopped them and does not restart them.
         name = signal.Signals(error.sigval).name
-        print(
+        raise Signalled(
+            error.sigval,
             f"ktd run: got {name}; torchrun passed it on to the ranks and "
             f"stopped them. Exiting with {128 + error.sigval}, as a process "
             f"ended by {name}.",
-            file=sys.stderr,
-        )
-        raise SystemExit(128 + error.sigval) from None
+        ) from None
     except DistNetworkError as error:
         if port is None or "EADDRINUSE" not in str(error):
             raise
