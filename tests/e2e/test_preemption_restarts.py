@@ -10,6 +10,8 @@ BackupAndRestore, 3 epochs of 5 batches):
   crashes: torchrun restarts the workers, which resume (from the agreed
   step; from the newest periodic backup after a kill or a crash) and end
   with the uninterrupted run's weights.
+- `initialize(num_processes=2)` with KTD_MAX_RESTARTS=1 does the same
+  without a launcher.
 - A rank SIGKILLed while an async `ShardedCheckpoint` save is being
   written: the save cut short is never read; launched again, the job
   resumes from the save before it.
@@ -202,4 +204,36 @@ def test_a_rank_killed_during_an_async_save_resumes_from_the_save_before(
     assert _seen(tmp_path, 1) == EVERY_BATCH[6:]
     names = sorted(os.listdir(tmp_path / "backup"))
     assert not [n for n in names if n.endswith(".incomplete")], names
+    assert_same_values(_values(tmp_path / "attempt1.npz"), reference)
+
+
+@pytest.mark.slow
+def test_initialize_spawn_restarts_and_resumes_by_itself(reference, tmp_path):
+    # No launcher: initialize(num_processes=2) starts the processes through
+    # torch's elastic agent, which restarts them (KTD_MAX_RESTARTS=1) after
+    # rank 1's SIGTERM; they resume at the agreed step.
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="torch",
+        OMP_NUM_THREADS="1",
+        KTD_DEVICE="cpu",
+        KTD_TIMEOUT_SECONDS="60",
+        KTD_MAX_RESTARTS="1",
+        PREEMPT_SPAWN="1",
+        PYTHONWARNINGS="ignore",
+    )
+    env.pop("PREEMPT_ATTEMPT", None)
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, str(tmp_path), "term-self", "7"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    code, output = _finish(process)
+    assert code == 0, output[-4000:]
+    assert "preempted by SIGTERM (received by rank(s) [1])" in output
+    assert _seen(tmp_path, 1) == EVERY_BATCH[7:], output[-4000:]
     assert_same_values(_values(tmp_path / "attempt1.npz"), reference)
