@@ -10,7 +10,10 @@ in their next collective, its agent restarts them, the rendezvous closes
 with node 0 alone (world 2), and the restarted fit loads the newest
 complete backup (step 6's, written by 4 ranks, resharded to 2), trains only
 the batches after it and ends with the weights of an uninterrupted run
-(within float noise: 4 and 2 replicas reduce in another order).
+(within float noise: 4 and 2 replicas reduce in another order). The same
+with the nodes' parts swapped: the node lost is the first one, group rank 0,
+whose agent hosted the workers' store (the node left becomes rank 0 and
+hosts a new one).
 
 The rendezvous settles in seconds: node 0 hosts the c10d store (is_host),
 a dead node is dropped after 2 missed 1 s heartbeats, and a round with the
@@ -52,7 +55,7 @@ RDZV_CONF = (
 )
 
 
-def _launch(out, node, endpoint, rdzv_id):
+def _launch(out, node, endpoint, rdzv_id, lost):
     env = dict(
         os.environ,
         KERAS_BACKEND="torch",
@@ -60,7 +63,7 @@ def _launch(out, node, endpoint, rdzv_id):
         KTD_DEVICE="cpu",
         KTD_TIMEOUT_SECONDS="60",
         PYTHONWARNINGS="ignore",
-        SHRINK_NODE=str(node),
+        SHRINK_NODE="1" if node == lost else "0",
     )
     for key in LAUNCHER_VARIABLES:
         env.pop(key, None)
@@ -80,7 +83,7 @@ def _launch(out, node, endpoint, rdzv_id):
         "--rdzv-id",
         rdzv_id,
         "--rdzv-conf",
-        f"is_host={1 - node},{RDZV_CONF}",
+        f"is_host={int(node != lost)},{RDZV_CONF}",
         "--max-restarts",
         "1",
         "--monitor-interval",
@@ -126,15 +129,25 @@ def _values(path):
     return {k.replace("|", "/"): v for k, v in np.load(path).items()}
 
 
+# The node lost: 1, launched second (group rank 1), or 0, launched first
+# (group rank 0: its agent hosts the workers' store, MASTER_ADDR:PORT, and
+# the node left becomes rank 0 and hosts a new one). The node left hosts the
+# c10d rendezvous store in both.
 @pytest.mark.slow
-def test_a_job_that_loses_a_node_resumes_on_the_node_left(pool2, tmp_path):
+@pytest.mark.parametrize("lost", [1, 0], ids=["second-node", "first-node"])
+def test_a_job_that_loses_a_node_resumes_on_the_node_left(
+    pool2, tmp_path, lost
+):
     (tmp_path / "uninterrupted").mkdir()
     reference = pool2.run(preempt_fit, str(tmp_path / "uninterrupted"), 0)[0]
     assert [tuple(pair) for pair in reference[0]] == EVERY_BATCH
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv_id = f"ktd-shrink-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
-    nodes = [_launch(tmp_path, node, endpoint, rdzv_id) for node in (0, 1)]
+    nodes = [
+        _launch(tmp_path, node, endpoint, rdzv_id, lost) for node in (0, 1)
+    ]
+    left = 1 - lost
     try:
         stopped = tmp_path / "stopped"
         while not stopped.exists():
@@ -143,17 +156,17 @@ def test_a_job_that_loses_a_node_resumes_on_the_node_left(pool2, tmp_path):
             assert time.monotonic() < started + LIMIT_S, _log(tmp_path, 0)
             time.sleep(0.05)
         killed = time.time()
-        _kill(nodes[1])
+        _kill(nodes[lost])
         try:
-            code = nodes[0].wait(timeout=LIMIT_S)
+            code = nodes[left].wait(timeout=LIMIT_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"node 0 did not finish:\n{_log(tmp_path, 0)}")
+            pytest.fail(f"node {left} did not finish:\n{_log(tmp_path, left)}")
     finally:
         for process in nodes:
             if process.poll() is None:
                 _kill(process)
     seconds = time.monotonic() - started
-    assert code == 0, _log(tmp_path, 0)
+    assert code == 0, _log(tmp_path, left)
     # One first round of both nodes (4 ranks), one restart on node 0's 2.
     worlds = (tmp_path / "worlds").read_text().split("\n")
     assert worlds == ["0 4", "1 2", ""], worlds
