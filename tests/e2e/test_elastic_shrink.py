@@ -134,7 +134,10 @@ def _values(path):
 # the node left becomes rank 0 and hosts a new one). The node left hosts the
 # c10d rendezvous store in both.
 @pytest.mark.slow
-@pytest.mark.parametrize("lost", [1, 0], ids=["second-node", "first-node"])
+# Only the first node is lost here (the harder case: its agent hosted the
+# workers' store, which the node left must start again); losing the second
+# node passed too, and costs another ~75 s in CI.
+@pytest.mark.parametrize("lost", [0], ids=["first-node"])
 def test_a_job_that_loses_a_node_resumes_on_the_node_left(
     pool2, tmp_path, lost
 ):
