@@ -277,7 +277,10 @@ def agent(monkeypatch, tmp_path):
         "OMP_NUM_THREADS",
         "KTD_MAX_RESTARTS",
     ):
-        monkeypatch.delenv(key, raising=False)
+        # Set, then deleted: monkeypatch then removes what start_processes
+        # sets (a delenv of a missing variable records nothing to undo).
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
     return configs
 
