@@ -351,3 +351,39 @@ def test_a_backup_from_2_ranks_resumes_at_its_batch_on_4(
             np.testing.assert_allclose(
                 values[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key
             )
+
+
+def _evaluate_preempted():
+    """evaluate (outside fit) with SIGTERM on rank 1 after test batch 1:
+    (exit code, message, test batches seen, the SIGTERM handler after)."""
+    from keras_torch_distribution import Preempted
+    from keras_torch_distribution.distributed import runtime
+
+    _distribute("dp")
+    x, y = _data()
+    model = checkpoint_model()
+    seen = []
+
+    class Signal(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            seen.append(batch)
+            if batch == 1 and runtime.process_id() == 1:
+                signal.raise_signal(signal.SIGTERM)
+
+    try:
+        model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[Signal()])
+    except Preempted as preempted:
+        return preempted.code, str(preempted), seen, signal.getsignal(15)
+    return None, None, seen, signal.getsignal(15)
+
+
+@pytest.mark.slow
+def test_a_signal_during_evaluate_stops_every_rank_after_one_batch(pool2):
+    for code, message, seen, handler in pool2.run(_evaluate_preempted):
+        assert code == 143
+        assert seen == [0, 1]  # both ranks stop after the same batch
+        assert (
+            "preempted by SIGTERM (received by rank(s) [1]) at evaluate(), "
+            "after batch 1" in message
+        )
+        assert handler is signal.SIG_DFL

@@ -90,36 +90,68 @@ class PreemptTogether(stopping.StopTogether):
         if not received:
             return
         signals.boundary_reached()
-        number = received[min(received)]
-        name = signals.signal_name(number)
-        waited = signals.seconds_since_signal()
         epoch, batch = position.reached()
         step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
         started = time.monotonic()
         written = [self._write(backup) for backup in self.backups]
         seconds = time.monotonic() - started
         saved = _describe_backups(self.backups, written, seconds)
-        job = requeue.job_to_requeue(number)
-        if job is not None:
-            _files.barrier()
-            if runtime.process_id() == 0:
-                saved += "; " + requeue.requeue(job)
-        message = (
-            f"preempted by {name} (received by rank(s) {sorted(received)}) at "
+        _exit(
+            received,
             f"{where}: every rank stops at epoch {epoch}, after {batch} "
-            f"batch(es) of it (step {step}); {saved}. Exiting with "
-            f"{128 + number}"
-            + (f", {waited:.1f} s after the signal." if waited else ".")
+            f"batch(es) of it (step {step}); {saved}",
         )
-        warn_on_every_rank("%s", message)
-        signals.release()
-        raise signals.Preempted(number, message)
 
     @staticmethod
     def _write(backup):
         if isinstance(backup, checkpoints.ShardedCheckpoint):
             return backup.save_at_preemption()
         return checkpoints.backup_at_preemption(backup)
+
+
+class PreemptEvaluation(keras.callbacks.Callback):
+    """The last callback of a multi-process `evaluate` outside `fit`: a
+    preemption signal stops every rank after the same batch (one
+    all-reduce of one integer per rank per batch) and exits with 128 + the
+    signal; nothing is saved (evaluate changes no state). Collective."""
+
+    def on_test_begin(self, logs=None):
+        signals.catch()
+
+    def on_test_batch_end(self, batch, logs=None):
+        codes = stopping.codes_of_ranks(signals.received())
+        received = {rank: code for rank, code in enumerate(codes) if code}
+        if received:
+            signals.boundary_reached()
+            _exit(
+                received,
+                f"evaluate(), after batch {batch}: every rank stops there "
+                "(evaluate saves nothing)",
+            )
+
+    def on_test_end(self, logs=None):
+        signals.release()
+
+
+def _exit(received, what):
+    """Requeue under SLURM, log one line on every rank, release the
+    handlers and raise Preempted. Collective."""
+    number = received[min(received)]
+    name = signals.signal_name(number)
+    waited = signals.seconds_since_signal()
+    job = requeue.job_to_requeue(number)
+    if job is not None:
+        _files.barrier()
+        if runtime.process_id() == 0:
+            what += "; " + requeue.requeue(job)
+    message = (
+        f"preempted by {name} (received by rank(s) {sorted(received)}) at "
+        f"{what}. Exiting with {128 + number}"
+        + (f", {waited:.1f} s after the signal." if waited else ".")
+    )
+    warn_on_every_rank("%s", message)
+    signals.release()
+    raise signals.Preempted(number, message)
 
 
 def _describe_backups(backups, written, seconds):

@@ -164,20 +164,33 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
         kwargs["callbacks"] = saving.callbacks_for_this_rank(
             kwargs.get("callbacks")
         )
+    catches_signals = False
     if (
         original.__name__ == "fit"
         and _keras.current_distribution() is not None
         and runtime.is_multi_process()
     ):
+        catches_signals = True
         callbacks = kwargs.get("callbacks")
         last = agreed_stop.PreemptTogether(
             agreed_stop.backup_callbacks(callbacks)
         )
         kwargs["callbacks"] = _with_last(callbacks, last, model)
+    elif (
+        original.__name__ == "evaluate"
+        and not position.state.running  # not fit's validation
+        and _keras.current_distribution() is not None
+        and runtime.is_multi_process()
+    ):
+        catches_signals = True
+        kwargs["callbacks"] = _with_last(
+            kwargs.get("callbacks"), agreed_stop.PreemptEvaluation(), model
+        )
     try:
         return original(model, *args, **kwargs)
     finally:
         replicas.batch_weight.forget()
-        if original.__name__ == "fit":
+        if catches_signals:
             signals.release()
+        if original.__name__ == "fit":
             position.end()
