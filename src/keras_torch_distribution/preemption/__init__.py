@@ -8,7 +8,8 @@ Modules, bottom first (a module imports only those above it):
   and `Preempted`.
 - `requeue`: `scontrol requeue` of a SLURM job.
 - `agreed_stop`: `PreemptTogether`, the last callback of such a `fit`: the
-  ranks agree on the step, write their backups there, and exit.
+  ranks agree on the step, write their backups there, and exit
+  (`PreemptEvaluation`: the same for `evaluate`, with nothing to save).
 
 Nothing is re-exported but `Preempted` (importing the package imports
 them all).

@@ -19,8 +19,10 @@ on every rank, in this order:
    with code 128 + the signal.
 
 Keras' `on_epoch_end` and `on_train_end` do not run, so no backup is
-marked as a finished epoch or deleted. A crash is no preemption: a rank
-whose peer is gone fails in the collective, or its watchdog ends it.
+marked as a finished epoch or deleted. `PreemptEvaluation` does the same
+for a multi-process `evaluate` outside `fit`, saving nothing. A crash is
+no preemption: a rank whose peer is gone fails in the collective, or its
+watchdog ends it.
 """
 
 from __future__ import annotations
