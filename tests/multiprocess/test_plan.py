@@ -1,13 +1,19 @@
 """`ktd plan` against real runs: the per-rank bytes the plan computes for a
 simulated world of 2 and 4 equal those each rank of a real 2- and
-4-process run of the same script holds after a training step, and the
+4-process run of the same script holds after a training step, the
 collectives it counts in its simulated step equal those
 `collective_counts` counts in a real step (the second, as the plan counts
-its second run of the first step).
+its second run of the first step), and under FSDP the gathered weights it
+measures (`plan.gathered`: held at once, largest gather) equal those each
+real rank measures in its step, at the prefetch depth the plan simulates
+(KTD_FSDP_PREFETCH=1, CUDA's default). Each case is planned twice, with
+the step on rank 0's own tensors (--step real) and on fake tensors
+(--step fake, what `auto` takes for models over 1 GiB of state): both
+must give the real run's figures.
 
 The script is tests/scripts/plan_train.py: an MLP under DataParallel,
-tensor parallelism, FSDP and a 2-D mesh, and a tiny keras_hub Llama under
-its own layout map. Each plan runs in a subprocess (`python -m
+tensor parallelism, FSDP and a 2-D mesh, and a tiny keras_hub Llama and
+Qwen MoE under their own layout maps. Each plan runs in a subprocess (`python -m
 keras_torch_distribution plan --json`): the fake process group never
 enters the pytest process or the pool.
 """
@@ -25,6 +31,7 @@ from keras_torch_distribution.testing import ProcessGroupPool
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "plan_train.py")
 KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+KINDS = ("real", "fake")
 
 CASES = [
     (2, "mlp", "dp"),
@@ -35,14 +42,16 @@ CASES = [
     (2, "llama", "tp"),
     (4, "llama", "fsdp"),
     (4, "llama", "2d"),
+    (2, "qwen_moe", "tp"),
+    (4, "qwen_moe", "2d"),
 ]
 
 
-def _plan(world, *args, timeout=240):
+def _plan(world, *args, step="auto", timeout=240):
     """The JSON plan of plan_train.py ARGS at `world`."""
     out = os.path.join(
         os.environ.get("TMPDIR", "/tmp"),
-        f"ktd-plan-test-{os.getpid()}-{world}-{'-'.join(args)}.json",
+        f"ktd-plan-test-{os.getpid()}-{world}-{step}-{'-'.join(args)}.json",
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KTD_DEVICE"):
@@ -57,6 +66,8 @@ def _plan(world, *args, timeout=240):
             str(world),
             "--json",
             out,
+            "--step",
+            step,
             SCRIPT,
             *args,
         ],
@@ -78,14 +89,19 @@ def _plan(world, *args, timeout=240):
 
 
 def _real(script, args):
-    """On each rank: run `script args` (it fits 2 steps); count the
-    collectives of the second step; this rank's bytes after it."""
+    """On each rank: run `script args` (it fits 2 steps) with FSDP
+    prefetching one group, as the plan simulates; count the collectives of
+    the second step and measure its FSDP gathers; this rank's bytes after
+    it."""
     import runpy
 
     import keras
 
     from keras_torch_distribution.distributed import collective_counts
     from keras_torch_distribution.distributed import tensors
+    from keras_torch_distribution.plan import gathered
+
+    os.environ["KTD_FSDP_PREFETCH"] = "1"
 
     found = {}
     fit = keras.Model.fit
@@ -101,9 +117,14 @@ def _real(script, args):
                 calls.append(1)
                 if len(calls) != 2:
                     return original(data)
-                with collective_counts.tally() as tally:
+                names = gathered.batch_group_names(model.variables)
+                with (
+                    collective_counts.tally() as tally,
+                    gathered.tracking(names) as held,
+                ):
                     logs = original(data)
                 found["tally"] = tally
+                found["gathered"] = (held.peak_bytes, held.largest_bytes)
                 return logs
 
             model.train_function = step
@@ -143,6 +164,7 @@ def _real(script, args):
         ),
         "counts": dict(found["tally"].counts),
         "bytes": dict(found["tally"].bytes),
+        "gathered": found["gathered"],
     }
     keras.distribution.set_distribution(None)
     keras.backend.clear_session()
@@ -161,22 +183,38 @@ def _by_rank(plan):
 @pytest.mark.slow
 @pytest.mark.parametrize("world,model,layout", CASES)
 def test_plan_equals_a_real_run(world, model, layout):
-    if model == "llama":
+    if model != "mlp":
         pytest.importorskip("keras_hub")
-    plan = _plan(world, model, layout)
-    assert plan["step_simulated"], plan["no_step_reason"]
+    plans = {kind: _plan(world, model, layout, step=kind) for kind in KINDS}
     # Fresh processes, as the plan's own: a shared pool's ranks keep what
     # earlier cases left (sharded variables seen, which keeps a
     # DataParallel step off the overlapped all-reduce; FSDP's recorded
     # orders), and their counts would differ from a new job's.
     with ProcessGroupPool(world, timeout=180) as pool:
         real = pool.run(_real, SCRIPT, [model, layout])
+    for kind, plan in plans.items():
+        assert plan["step_simulated"], (kind, plan["no_step_reason"])
+        assert plan["step_kind"] == kind
+        _check(kind, plan, real)
+
+
+def _check(kind, plan, real):
     planned = _by_rank(plan)
     for rank, measured in enumerate(real):
         for key in KEYS:
-            assert planned[rank][key] == measured[key], (rank, key)
+            assert planned[rank][key] == measured[key], (kind, rank, key)
         assert planned[rank]["total_bytes"] == sum(measured[k] for k in KEYS)
+        if plan["fsdp_groups"]:
+            row = planned[rank]
+            assert row["fsdp_figure"] == "measured", (kind, rank)
+            assert (
+                row["fsdp_gathered_bytes"],
+                row["fsdp_largest_gather_bytes"],
+            ) == measured["gathered"], (kind, rank)
+            assert measured["gathered"][0] > 0
+        else:
+            assert measured["gathered"] == (0, 0)
     counts = {k: v["count"] for k, v in plan["collectives_per_step"].items()}
     sizes = {k: v["bytes"] for k, v in plan["collectives_per_step"].items()}
-    assert counts == real[0]["counts"]
-    assert sizes == real[0]["bytes"]
+    assert counts == real[0]["counts"], kind
+    assert sizes == real[0]["bytes"], kind

@@ -1,9 +1,10 @@
 """A training script `ktd plan` plans and the tests also run for real.
 
     python plan_train.py MODEL LAYOUT
-    MODEL: mlp | llama (a tiny keras_hub Llama from its config)
+    MODEL: mlp | llama | qwen_moe (tiny keras_hub models from their configs)
     LAYOUT: dp (DataParallel) | tp (mesh (1, N)) | fsdp (mesh (N, 1)) |
-            2d (mesh (N/2, 2)); the Llama takes its own layout map.
+            2d (mesh (N/2, 2)); the keras_hub models take their own
+            layout maps.
 
 tests/multiprocess/test_plan.py compares the plan's per-rank bytes and
 collectives with a real run of this script on 2 and 4 processes.
@@ -16,6 +17,20 @@ import numpy as np
 
 import keras_torch_distribution  # noqa: F401
 
+# MODEL -> (backbone class, causal LM class, extra config) in keras_hub
+KERAS_HUB = {
+    "llama": ("LlamaBackbone", "LlamaCausalLM", {}),
+    "qwen_moe": (
+        "QwenMoeBackbone",
+        "QwenMoeCausalLM",
+        dict(
+            moe_intermediate_dim=8,
+            shared_expert_intermediate_dim=16,
+            num_experts=4,
+            top_k=2,
+        ),
+    ),
+}
 model_name, layout = sys.argv[1], sys.argv[2]
 keras.distribution.initialize()
 devices = keras.distribution.list_devices()
@@ -25,10 +40,11 @@ if layout == "dp":
 else:
     shape = {"tp": (1, n), "fsdp": (n, 1), "2d": (n // 2, 2)}[layout]
     mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
-    if model_name == "llama":
+    if model_name in KERAS_HUB:
         import keras_hub
 
-        layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+        backbone_class = getattr(keras_hub.models, KERAS_HUB[model_name][0])
+        layout_map = backbone_class.get_layout_map(mesh)
     else:
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map[r".*dense_0/kernel"] = ("batch", "model")
@@ -41,18 +57,22 @@ else:
 keras.distribution.set_distribution(distribution)
 keras.utils.set_random_seed(0)
 rows = 8
-if model_name == "llama":
+if model_name in KERAS_HUB:
     import keras_hub
 
-    backbone = keras_hub.models.LlamaBackbone(
+    backbone_name, causal_lm_name, extra = KERAS_HUB[model_name]
+    backbone = getattr(keras_hub.models, backbone_name)(
         vocabulary_size=64,
         num_layers=2,
         num_query_heads=2,
         num_key_value_heads=2,
         hidden_dim=16,
         intermediate_dim=32,
+        **extra,
     )
-    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    model = getattr(keras_hub.models, causal_lm_name)(
+        backbone=backbone, preprocessor=None
+    )
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     ids = np.random.default_rng(0).integers(1, 64, (rows, 9))
     x = {

@@ -1,15 +1,23 @@
-"""`ktd plan`'s errors, and that its simulated world leaves nothing behind
-(the multi-process comparison is tests/multiprocess/test_plan.py)."""
+"""`ktd plan`'s errors, that its simulated world leaves nothing behind,
+its FSDP figure measured in a step on fake tensors against a count by
+hand, and a step that fake tensors cannot run (the multi-process
+comparison with real runs is tests/multiprocess/test_plan.py)."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
 
+from helpers import ROOT
 from keras_torch_distribution import cli
 from keras_torch_distribution.plan import command
 from keras_torch_distribution.plan import runner
 from keras_torch_distribution.plan import world
+
+PLAN_TRAIN = os.path.join(ROOT, "tests", "scripts", "plan_train.py")
 
 
 @pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5", ""])
@@ -57,3 +65,101 @@ def test_a_missing_script_is_named(tmp_path):
     missing = str(tmp_path / "nope.py")
     with pytest.raises(runner.PlanError, match="is not a file"):
         runner.plan(2, missing)
+
+
+def _plan_json(tmp_path, world, script, *args, step="auto"):
+    """`ktd plan --json` in a subprocess (the fake process group never
+    enters the pytest process): the plan's dict."""
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KTD_DEVICE"):
+        env.pop(key, None)
+    env.pop("KTD_FSDP_PREFETCH", None)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keras_torch_distribution",
+            "plan",
+            "--world",
+            str(world),
+            "--json",
+            str(out),
+            "--step",
+            step,
+            str(script),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_a_bad_step_choice_is_named(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ValueError) as error:
+        runner.plan(2, str(script), step="maybe")
+    assert "--step 'maybe'" in str(error.value)
+    assert "auto, fake, real, no" in str(error.value)
+
+
+def test_fsdp_gathers_measured_on_fake_tensors_by_hand(tmp_path):
+    """The MLP of plan_train.py under FSDP at world 4, its step on fake
+    tensors, prefetching one group (CUDA's default). dense_0's kernel
+    (12x20, float32, sharded on dim 0) is gathered in one flat buffer of
+    960 B and used as views of it; dense_1's (20x10, sharded on dim 1 into
+    3, 3, 3 and 1 columns) travels padded to 20x12 (960 B) and is copied
+    out (800 B); dense_2's (10x3) in 144 B. The most held at once is
+    dense_0's gather in use with dense_1's prefetched: 1920 B (dense_1's
+    flat buffer with its copy, 1760 B, comes after dense_0's is let go)."""
+    plan = _plan_json(tmp_path, 4, PLAN_TRAIN, "mlp", "fsdp", step="fake")
+    assert plan["step_kind"] == "fake" and plan["fsdp_prefetch"] == 1
+    for row in plan["per_rank"]:
+        assert row["fsdp_figure"] == "measured"
+        assert row["fsdp_gathered_bytes"] == 1920
+        assert row["fsdp_largest_gather_bytes"] == 960
+        assert row["peak_bytes"] == row["total_bytes"] + 1920
+    assert plan["collectives_per_step"]["all_gather"] == {
+        "count": 4,
+        "bytes": 960 + 960 + 144 + 960,  # dense_1 regathered for backward
+    }
+
+
+def test_a_fake_step_that_needs_a_value_says_so(tmp_path):
+    """A layer that branches on a tensor's value cannot run on fake
+    tensors: the plan says which op needed a value and what to do, and
+    still gives the per-rank bytes (FSDP's figure estimated, and said
+    so)."""
+    script = tmp_path / "branchy.py"
+    script.write_text(
+        "import keras, numpy as np\n"
+        "import keras_torch_distribution  # noqa: F401\n"
+        "devices = keras.distribution.list_devices()\n"
+        "mesh = keras.distribution.DeviceMesh(\n"
+        "    (len(devices), 1), ['batch', 'model'], devices)\n"
+        "layout_map = keras.distribution.LayoutMap(mesh)\n"
+        "layout_map['.*kernel'] = ('batch', None)\n"
+        "keras.distribution.set_distribution(keras.distribution."
+        "ModelParallel(layout_map=layout_map, batch_dim_name='batch'))\n"
+        "class Branchy(keras.layers.Layer):\n"
+        "    def call(self, x):\n"
+        "        return x if float(keras.ops.sum(x)) > 0 else -x\n"
+        "model = keras.Sequential([keras.Input((4,)), "
+        "keras.layers.Dense(8), Branchy(), keras.layers.Dense(1)])\n"
+        "model.compile(optimizer='adam', loss='mse')\n"
+        "x = np.ones((4, 4), 'float32')\n"
+        "model.fit(x, np.ones((4, 1), 'float32'), batch_size=4, verbose=0)\n"
+    )
+    plan = _plan_json(tmp_path, 2, script, step="fake")
+    assert not plan["step_simulated"] and plan["collectives_per_step"] is None
+    reason = plan["no_step_reason"]
+    assert "needs a value" in reason and "_local_scalar_dense" in reason
+    assert "--step real" in reason
+    assert plan["per_rank"][0]["fsdp_figure"] == "estimated"
+    assert plan["per_rank"][0]["params_bytes"] > 0

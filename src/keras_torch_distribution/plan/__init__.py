@@ -8,11 +8,13 @@ process group (collectives return at once and move nothing): the mesh it
 builds from `keras.distribution.list_devices()` is the one it would get on
 N devices, and its variables are born sharded as rank 0's shards, allocated
 but never initialised (untouched pages cost no memory). It stops at its
-first fit / evaluate / predict / save; at a fit whose rank-0 state is small
-enough, after one simulated training step whose collectives are counted
-(their number is exact, their values meaningless). Every rank's bytes are
-then computed from the variables' layouts: pure arithmetic on shapes and
-placements, checked against what rank 0 holds.
+first fit / evaluate / predict / save; at a fit, after one simulated
+training step whose collectives are counted and whose FSDP gathers are
+measured (their number and sizes exact, their values meaningless): on
+fake tensors that allocate nothing, so that models of any size are
+simulated (or on rank 0's own tensors, --step real). Every rank's
+bytes are then computed from the variables' layouts: pure arithmetic on
+shapes and placements, checked against what rank 0 holds.
 
 Modules, bottom first (a module imports only those above it):
 
@@ -21,8 +23,13 @@ Modules, bottom first (a module imports only those above it):
 - `values`: variables allocated, not initialised, while planning.
 - `shards`: each rank's bytes of a variable, its gradient, its optimizer
   state and FSDP's gathered groups, from shapes and layouts.
+- `gathered`: FSDP's gathered weights measured in a step (held at once,
+  largest gather), at the dispatcher.
+- `fake_step`: a step on fake tensors (torch's FakeTensorMode): the
+  collectives of a model of any size, nothing allocated.
+- `fsdp_figure`: each rank's FSDP figure, measured or estimated.
 - `stops`: the script stopped at its first fit / evaluate / predict /
-  save, after one counted training step where it is affordable.
+  save, after one counted training step.
 - `runner`: runs the script and assembles the plan.
 - `output`: the plan as text and as JSON.
 - `command`: `ktd plan`'s arguments.

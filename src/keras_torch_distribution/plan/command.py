@@ -1,9 +1,11 @@
-"""`ktd plan --world N [--json PATH] [--step auto|yes|no] SCRIPT [ARGS]`."""
+"""`ktd plan --world N [--json PATH] [--step fake|real|no] SCRIPT
+[ARGS]`."""
 
 import os
 
 USAGE = (
-    "usage: ktd plan --world N [--json PATH] [--step auto|yes|no] SCRIPT [ARGS]"
+    "usage: ktd plan --world N [--json PATH] [--step fake|real|no] "
+    "SCRIPT [ARGS]"
 )
 
 

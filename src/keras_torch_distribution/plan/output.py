@@ -3,10 +3,13 @@
 The JSON holds the plan's dict: `world`, `per_rank` (one object per set of
 identical ranks: `rank`, the first of them, `ranks`, all of them,
 `params_bytes`, `grads_bytes`, `optimizer_bytes`, `total_bytes` (their sum),
-`fsdp_largest_group` / `fsdp_gathered_bytes` / `fsdp_prefetch_bytes` under
-FSDP, `peak_bytes` (the total plus FSDP's gathered groups)), `worst_rank`,
-`collectives_per_step` (kind -> count and bytes of one training step on
-rank 0; every rank issues the same collectives), `accelerate_estimate`
+under FSDP `fsdp_gathered_bytes` (gathered weights held at once),
+`fsdp_largest_gather_bytes` and `fsdp_figure` ("measured" or "estimated":
+see `fsdp_figure`), `peak_bytes` (the total plus FSDP's gathered
+weights)), `worst_rank`, `step_simulated`, `step_kind` ("real" or "fake":
+see `fake_step`), `collectives_per_step` (kind -> count and bytes of one
+training step on rank 0; every rank issues the same collectives),
+`fsdp_prefetch` (the depth simulated), `accelerate_estimate`
 (Accelerate's `estimate-memory` method: the model's bytes, and 4x for
 training with Adam), `left_whole`, `peak_rss_bytes`, `wall_seconds`.
 """
@@ -54,7 +57,7 @@ def format_text(plan):
     fsdp = plan["fsdp_groups"] > 0
     header = ["ranks", "params", "grads", "optimizer", "total"]
     if fsdp:
-        header += ["FSDP group", "prefetch", "peak"]
+        header += ["FSDP held", "largest gather", "peak"]
     table = [header]
     for row in plan["per_rank"]:
         cells = [
@@ -65,10 +68,11 @@ def format_text(plan):
             human(row["total_bytes"]),
         ]
         if fsdp:
+            mark = "" if row["fsdp_figure"] == "measured" else " (est.)"
             cells += [
-                human(row.get("fsdp_gathered_bytes", 0)),
-                human(row.get("fsdp_prefetch_bytes", 0)),
-                human(row["peak_bytes"]),
+                human(row["fsdp_gathered_bytes"]) + mark,
+                human(row["fsdp_largest_gather_bytes"]) + mark,
+                human(row["peak_bytes"]) + mark,
             ]
         table.append(cells)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
@@ -85,15 +89,13 @@ def format_text(plan):
             f"worst rank: {plan['worst_rank']} ({human(worst['peak_bytes'])})"
         )
     if fsdp:
-        lines.append(
-            f"FSDP: {plan['fsdp_groups']} groups; the largest gather "
-            f"({worst.get('fsdp_largest_group')}) is held with "
-            f"{plan['fsdp_prefetch']} prefetched group(s) "
-            "(KTD_FSDP_PREFETCH; CUDA's default 1)"
-        )
+        lines.append(_fsdp_line(plan, worst))
     lines.append("")
     if plan["collectives_per_step"] is not None:
-        lines.append("collectives per training step (every rank):")
+        lines.append(
+            "collectives per training step (every rank), counted in a "
+            f"step on {_STEP_KINDS[plan['step_kind']]}:"
+        )
         for kind, entry in plan["collectives_per_step"].items():
             lines.append(
                 f"  {kind:16} {entry['count']:6}  {human(entry['bytes'])}"
@@ -117,6 +119,33 @@ def format_text(plan):
         f"{human(plan['peak_rss_bytes'])}"
     )
     return "\n".join(lines)
+
+
+_STEP_KINDS = {
+    "real": "rank 0's own tensors",
+    "fake": "fake tensors (nothing allocated)",
+}
+
+
+def _fsdp_line(plan, worst):
+    prefetch = (
+        f"{plan['fsdp_prefetch']} group(s) prefetched (KTD_FSDP_PREFETCH; "
+        "CUDA's default 1)"
+    )
+    if worst["fsdp_figure"] == "measured":
+        return (
+            "FSDP: gathered weights held at once measured in the simulated "
+            f"step, {prefetch}"
+        )
+    if "fsdp_largest_group" in worst:
+        return (
+            f"FSDP (estimated, no step): the largest of {plan['fsdp_groups']} "
+            f"layer groups ({worst['fsdp_largest_group']}) with {prefetch}"
+        )
+    return (
+        "FSDP: rank 0's measured figure scaled by this rank's gathered "
+        "blocks (estimated: its blocks differ from rank 0's)"
+    )
 
 
 def write_json(plan, path):

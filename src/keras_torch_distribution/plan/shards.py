@@ -19,7 +19,8 @@ that held for this one.
   groups`: the outermost layers below the models), gathered whole on that
   axis, in the dtype they are read in (the layer's compute dtype under
   mixed precision); the largest group plus the next `prefetch` groups
-  gathered ahead of it is what FSDP holds on top of the state.
+  gathered ahead of it is the estimate of what FSDP holds on top of the
+  state where no step measured it (`fsdp_figure`).
 """
 
 import math

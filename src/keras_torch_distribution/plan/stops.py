@@ -8,13 +8,18 @@ the fit runs Keras' own loop up to its first training step (this
 package's batch adapter gives rank 0 its rows); that step runs twice on
 its batch, the first to build the optimizer and record FSDP's group order,
 the second with its collectives counted (`collective_counts.tally`), as
-the multi-process tests count a real step. Then the plan stops.
+the multi-process tests count a real step, and its FSDP gathers measured
+(`gathered`). The step runs on the variables' own (unwritten) tensors, or
+on fake ones (`fake_step`: nothing allocated, for models of any size).
+Then the plan stops.
 """
 
 import contextlib
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import collective_counts
+from keras_torch_distribution.plan import fake_step
+from keras_torch_distribution.plan import gathered
 from keras_torch_distribution.plan import shards
 
 STOPPED_AT = ("fit", "evaluate", "predict", "save", "save_weights")
@@ -32,6 +37,8 @@ class Record:
         self.stopped_at = None
         self.tally = None  # collective_counts.Tally of one step, or None
         self.no_step = None  # why no step was simulated
+        self.step_kind = None  # "real" or "fake" (see fake_step)
+        self.gathered = None  # gathered.Gathered of the counted step
         # after the step: id(variable) -> its gradient's layout
         self.gradient_layouts = None
 
@@ -39,8 +46,10 @@ class Record:
 @contextlib.contextmanager
 def stopping(step):
     """Within the block, the first fit / evaluate / predict / save stops
-    the script; `step(model)` -> (bool, reason) says whether a fit
-    simulates one training step first. Yields the `Record`."""
+    the script; `step(model)` -> (kind, reason) says whether a fit
+    simulates one training step first: "real" (on the variables' own
+    tensors), "fake" (on fake tensors, `fake_step`) or None (`reason`
+    says why not). Yields the `Record`."""
     record = Record()
     owner = _keras.Model
     saved = {name: owner.__dict__.get(name) for name in STOPPED_AT}
@@ -50,16 +59,11 @@ def stopping(step):
         def stopped(model, *args, **kwargs):
             record.model, record.stopped_at = model, name
             if name == "fit":
-                allowed, reason = step(model)
-                if allowed:
-                    try:
-                        _one_step(record, model, current[name], args, kwargs)
-                        reason = "fit returned before its first step"
-                    except Exception as error:  # reported, not hidden
-                        reason = (
-                            "the simulated step failed: "
-                            f"{type(error).__name__}: {error}"
-                        )
+                kind, reason = step(model)
+                if kind is not None:
+                    reason = _step_or_reason(
+                        record, model, current[name], args, kwargs, kind
+                    )
                 record.no_step = reason
             if record.tally is None:
                 build_optimizer(model)
@@ -80,20 +84,53 @@ def stopping(step):
                 setattr(owner, name, value)
 
 
-def _one_step(record, model, fit, args, kwargs):
-    """Run `fit` to its first step; run that step twice, counting the
-    second; raise Stopped."""
+def _step_or_reason(record, model, fit, args, kwargs, kind):
+    """Run the counted step (it ends in Stopped), or say why it did not."""
+    record.step_kind = kind
+    try:
+        with fake_step.faked(model) if kind == "fake" else _real() as in_step:
+            _counted_fit(record, model, fit, args, kwargs, in_step)
+    except Exception as error:  # reported in the plan, not hidden
+        record.step_kind = None
+        needed = fake_step.value_needed(error) if kind == "fake" else None
+        if needed is not None:
+            return (
+                "the step on fake tensors needs a value that fake tensors "
+                f"do not have ({needed}): a Python branch on a tensor's "
+                "value (.item(), bool(tensor)) or an output shape that "
+                "depends on values. --step real runs the step on rank 0's "
+                "own tensors, if its state fits in this machine's memory."
+            )
+        return f"the simulated step failed: {type(error).__name__}: {error}"
+    record.step_kind = None
+    return "fit returned before its first step"
+
+
+@contextlib.contextmanager
+def _real():
+    yield lambda function: function
+
+
+def _counted_fit(record, model, fit, args, kwargs, in_step):
+    """Run `fit` to its first step; run that step twice (each through
+    `in_step`), counting the second's collectives and measuring its FSDP
+    gathers; raise Stopped."""
     make = model.make_train_function
+    group_names = gathered.batch_group_names(shards.unique(model.variables))
 
     def make_counted(force=False):
         result = make(force)
-        original = model.train_function
+        original = in_step(model.train_function)
 
         def counted(data):
             original(data)
-            with collective_counts.tally() as tally:
+            with (
+                collective_counts.tally() as tally,
+                gathered.tracking(group_names) as held,
+            ):
                 original(data)
             record.tally = tally
+            record.gathered = held
             record.gradient_layouts = shards.gradient_layouts(model)
             raise Stopped("fit")
 
