@@ -43,7 +43,9 @@ EVERY_BATCH = [
 LIMIT_S = 180
 
 
-def _launch(out, how, step, *options, save_freq=None, attempt=None):
+def _environment(**settings):
+    """The workers' environment: CPU, one thread, a 60 s timeout, no
+    attempt number of the caller's; `settings` added."""
     env = dict(
         os.environ,
         KERAS_BACKEND="torch",
@@ -51,8 +53,14 @@ def _launch(out, how, step, *options, save_freq=None, attempt=None):
         KTD_DEVICE="cpu",
         KTD_TIMEOUT_SECONDS="60",
         PYTHONWARNINGS="ignore",
+        **settings,
     )
     env.pop("PREEMPT_ATTEMPT", None)
+    return env
+
+
+def _launch(out, how, step, *options, save_freq=None, attempt=None):
+    env = _environment()
     if attempt is not None:
         env["PREEMPT_ATTEMPT"] = str(attempt)
     command = [
@@ -213,17 +221,7 @@ def test_initialize_spawn_restarts_and_resumes_by_itself(reference, tmp_path):
     # No launcher: initialize(num_processes=2) starts the processes through
     # torch's elastic agent, which restarts them (KTD_MAX_RESTARTS=1) after
     # rank 1's SIGTERM; they resume at the agreed step.
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="torch",
-        OMP_NUM_THREADS="1",
-        KTD_DEVICE="cpu",
-        KTD_TIMEOUT_SECONDS="60",
-        KTD_MAX_RESTARTS="1",
-        PREEMPT_SPAWN="1",
-        PYTHONWARNINGS="ignore",
-    )
-    env.pop("PREEMPT_ATTEMPT", None)
+    env = _environment(KTD_MAX_RESTARTS="1", PREEMPT_SPAWN="1")
     process = subprocess.Popen(
         [sys.executable, SCRIPT, str(tmp_path), "term-self", "7"],
         cwd=ROOT,
