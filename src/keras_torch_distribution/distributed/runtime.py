@@ -35,6 +35,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import seeds
 from keras_torch_distribution.launch import agent_store
 from keras_torch_distribution.launch import environments
+from keras_torch_distribution.launch import interfaces
 from keras_torch_distribution.launch import spawn
 from keras_torch_distribution.log import logger
 
@@ -341,6 +342,10 @@ def _init_process_group(
                 store = agent_store.fresh_namespace(
                     store, rank, world_size, timeout
                 )
+            if world_size > 1:
+                interfaces.choose(
+                    store, rank, world_size, _coordinator_host(init_method)
+                )
         bound = {}
         if uses_cuda():
             if local_rank is None:
@@ -430,6 +435,14 @@ def _coordinator(init_method):
             f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         )
     return urlparse(init_method or "").netloc or str(init_method)
+
+
+def _coordinator_host(init_method):
+    """The host of the coordinator that `init_method` names ("" for a file
+    store): `_coordinator` without the port and IPv6 brackets."""
+    if init_method != "env://" and not str(init_method).startswith("tcp:"):
+        return ""
+    return _coordinator(init_method).rpartition(":")[0].strip("[]")
 
 
 def _start_failure_message(error, where):

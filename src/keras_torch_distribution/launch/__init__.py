@@ -9,6 +9,8 @@
   Kubeflow): its variables -> a Launch.
 - `environments`: `detect`, which tries them innermost launcher first, with
   initialize()'s arguments winning; pure functions of the environment.
+- `interfaces`: the network interface gloo listens on where the host
+  name resolves to loopback in a job across hosts.
 - `failures`: the one line naming the process that failed first.
 - `spawn`: one process per local device through torch's elastic agent,
   for `initialize()` in a script started without a launcher.
