@@ -3,6 +3,7 @@
 Modules, bottom first (a module imports only those above it):
 
 - `seeds`: every process agrees on seeds.
+- `lost_hosts`: the hosts and ranks a failed collective lost, in one line.
 - `runtime`: torch.distributed's process group (started once), devices, rank
   and world.
 - `sharding_rules`: DTensor rules torch lacks or gets wrong; `uninstall()`

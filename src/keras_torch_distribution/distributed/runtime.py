@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
+from keras_torch_distribution.distributed import lost_hosts
 from keras_torch_distribution.distributed import seeds
 from keras_torch_distribution.launch import agent_store
 from keras_torch_distribution.launch import environments
@@ -303,6 +304,7 @@ def shutdown() -> bool:
         dist.destroy_process_group()
     started.clear()
     _cpu_group.clear()
+    lost_hosts.table.clear()
     return destroyed
 
 
@@ -363,6 +365,8 @@ def _init_process_group(
             **bound,
         )
         started.group = dist.group.WORLD
+        if world_size > 1:
+            _remember_hosts(store, rank, init_method)
     except (RuntimeError, ValueError, TimeoutError) as error:
         raise RuntimeError(_start_failure_message(error, where)) from error
 
@@ -435,6 +439,18 @@ def _coordinator(init_method):
             f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         )
     return urlparse(init_method or "").netloc or str(init_method)
+
+
+def _remember_hosts(store, rank, init_method):
+    """Every rank's host, kept for naming lost hosts after a failure (one
+    small all-gather at the start)."""
+    facts = [None] * dist.get_world_size()
+    dist.all_gather_object(
+        facts, interfaces.host_facts(_coordinator_host(init_method))
+    )
+    lost_hosts.table.remember(
+        store, dist.get_rank(), facts, _coordinator(init_method)
+    )
 
 
 def _coordinator_host(init_method):

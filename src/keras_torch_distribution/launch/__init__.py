@@ -14,6 +14,8 @@
 - `failures`: the one line naming the process that failed first.
 - `spawn`: one process per local device through torch's elastic agent,
   for `initialize()` in a script started without a launcher.
+- `stuck_agent`: a node whose torchrun agent cannot reach the rendezvous
+  store ends anyway, with the failed rank's error.
 - `torchrun`: `ktd run`, over torchrun.
 - `__main__`: what every launched process runs (`python -m
   keras_torch_distribution.launch SCRIPT`).

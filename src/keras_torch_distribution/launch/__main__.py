@@ -40,9 +40,27 @@ def die_with_parent(environ=os.environ):
         )
 
 
+class LostHostsError(RuntimeError):
+    """A collective failed because hosts of the job were lost: the message
+    names them and their ranks (`distributed.lost_hosts`)."""
+
+
 def run_target(argv):
     """Install the backend, then run a script file or `-m MODULE` as
-    __main__."""
+    __main__; a failure that lost hosts is raised again as a
+    `LostHostsError` naming them (the line `ktd run` shows)."""
+    from keras_torch_distribution.distributed import lost_hosts
+
+    try:
+        _run(argv)
+    except Exception as error:
+        line = lost_hosts.explain(error)
+        if line is None:
+            raise
+        raise LostHostsError(line) from error
+
+
+def _run(argv):
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(USAGE)
     import keras_torch_distribution  # noqa: F401  (installs into Keras)

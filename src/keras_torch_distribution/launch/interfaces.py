@@ -113,6 +113,23 @@ def _interface_addresses():
         return
 
 
+def host_facts(coordinator_host):
+    """(host name, an address other hosts reach it at, whether it is the
+    coordinator's host) of this process, for messages about lost hosts."""
+    hostname = socket.gethostname()
+    coordinator = _resolve(coordinator_host)
+    source = source_address(coordinator) if coordinator else None
+    chosen = os.environ.get(GLOO_VARIABLE, "").split(",")[0]
+    address = next(
+        (str(a) for name, a in _interface_addresses() if name == chosen),
+        None,
+    )
+    if not _usable(address):
+        address = source if _usable(source) else gloo_address(hostname)
+    on_coordinator = not _usable(source) or source == coordinator
+    return hostname, address, on_coordinator
+
+
 def choose(store, rank, world_size, coordinator_host, environ=os.environ):
     """Check in on the rendezvous store and, for a host whose name resolves
     to loopback in a job that spans hosts, set GLOO_SOCKET_IFNAME (and

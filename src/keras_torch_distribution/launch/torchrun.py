@@ -21,6 +21,7 @@ import signal
 import socket
 
 from keras_torch_distribution import _env
+from keras_torch_distribution.launch import stuck_agent
 from keras_torch_distribution.launch.failures import failure_summary
 from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
 from keras_torch_distribution.launch.spawn import handled_signals
@@ -212,6 +213,22 @@ def _check_port_free(port):
             ) from None
 
 
+def _watch_agent(arguments):
+    """For a job across nodes, a started `stuck_agent.Watch`: this node
+    ends even when its agent cannot reach the rendezvous store."""
+    from torch.distributed import run as torch_run
+
+    parsed = torch_run.parse_args(arguments)
+    if parsed.standalone:
+        return None
+    endpoint = (
+        parsed.rdzv_endpoint or f"{parsed.master_addr}:{parsed.master_port}"
+    )
+    watch = stuck_agent.Watch(endpoint)
+    watch.start()
+    return watch
+
+
 class Signalled(SystemExit):
     """`ktd run`'s torchrun agent got a signal it handles, passed it on to
     the ranks and stopped them: exit with 128 + the signal (as a process
@@ -240,6 +257,7 @@ def run(argv):
     # Each process dies with this one, even if it is SIGKILLed (see __main__).
     parent_before = os.environ.get(PARENT_PID_VARIABLE)
     os.environ[PARENT_PID_VARIABLE] = str(os.getpid())
+    watch = _watch_agent(arguments)
     try:
         torch_run.main(arguments)
     except ChildFailedError as error:
@@ -266,6 +284,8 @@ def run(argv):
             _port_in_use_message(port, "address already in use")
         ) from None
     finally:  # (run() is also called in tests' own process)
+        if watch is not None:
+            watch.stop()
         if parent_before is None:
             del os.environ[PARENT_PID_VARIABLE]
         else:
