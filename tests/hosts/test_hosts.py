@@ -1,0 +1,167 @@
+"""Jobs across hosts of their own: network namespaces with their own
+addresses, host names and /etc/hosts (network.py), joined by a bridge.
+Each host runs `ktd run --nnodes N --rdzv-backend c10d --rdzv-endpoint
+node-h1:29400`, as a user runs it on each machine.
+
+- Host names that resolve to 127.0.1.1 on their own host (Debian's and
+  Ubuntu's /etc/hosts): the job trains with one process's numbers under
+  DataParallel, a 2 x 2 ModelParallel mesh and FSDP, with no setting given
+  (the package picks the interface that reaches the other hosts).
+- A host cut off mid-fit: every host's `ktd run` ends within
+  KTD_TIMEOUT_SECONDS plus 15 s, naming the host and ranks it lost.
+
+Runs as root where `ip` can make network namespaces (CI does); skipped
+otherwise. Every namespace, link and process a test makes is removed at
+its end, also on failure.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import network
+import numpy as np
+import pytest
+
+from helpers import ROOT
+
+_WHY_NOT = network.unavailable()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT)),
+]
+TIMEOUT_S = 10  # KTD_TIMEOUT_SECONDS of the lost-host test
+START_S = 300  # the longest a launch may take on a loaded machine
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", KTD_DEVICE="cpu")
+    for key in (
+        "KERAS_BACKEND",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "GLOO_SOCKET_IFNAME",  # (the package must find it)
+        "NCCL_SOCKET_IFNAME",
+    ):
+        env.pop(key, None)
+    return dict(env, **extra)
+
+
+def _ktd_run(hosts, nproc, script, *args):
+    """`ktd run` of `script` on every host, as each machine would run it."""
+    command = [
+        sys.executable,
+        "-m",
+        "keras_torch_distribution",
+        "run",
+        "--nnodes",
+        str(hosts.count),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{network.HOST_NAME.format(1)}:29400",
+        "--rdzv-id",
+        "hosts-test",
+        "-n",
+        str(nproc),
+        script,
+        *args,
+    ]
+    return [
+        hosts.run(
+            i,
+            command,
+            cwd=ROOT,
+            env=_env(KTD_TIMEOUT_SECONDS=str(TIMEOUT_S)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(hosts.count)
+    ]
+
+
+def _outputs(processes, timeout):
+    """(returncode, stdout, stderr, seconds taken) of each process."""
+    start = time.monotonic()
+    results = []
+    for process in processes:
+        left = max(1.0, timeout - (time.monotonic() - start))
+        out, err = process.communicate(timeout=left)
+        results.append((process.returncode, out, err, time.monotonic() - start))
+    return results
+
+
+def test_loopback_host_names_train_with_one_process_numbers(tmp_path):
+    reference = tmp_path / "one.npz"
+    one = subprocess.run(
+        [sys.executable, "tests/scripts/hosts_train.py", str(reference)],
+        cwd=ROOT,
+        env=_env(KERAS_BACKEND="torch"),
+        capture_output=True,
+        text=True,
+        timeout=START_S,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    out = tmp_path / "hosts.npz"
+    with network.Hosts(2, names="loopback") as hosts:
+        results = _outputs(
+            _ktd_run(hosts, 2, "tests/scripts/hosts_train.py", str(out)),
+            START_S,
+        )
+    for i, (code, stdout, stderr, _) in enumerate(results):
+        assert code == 0, stderr[-3000:]
+        name = network.HOST_NAME.format(i + 1)
+        # Two processes per host, each on its own host.
+        assert stdout.count(f"host={name} ") == 2, stdout
+        assert (
+            f"host {name}: its name resolves to 127.0.1.1, a loopback "
+            f"address, in a job across 2 hosts" in stderr
+        ), stderr[-3000:]
+        assert f"Using interface {network.INTERFACE}" in stderr
+    want = np.load(reference)
+    got = np.load(out)
+    for kind in ("dp", "hybrid", "mp"):
+        for key in want.files:
+            np.testing.assert_allclose(
+                got[f"{kind}/{key.partition('/')[2]}"],
+                want[key],
+                rtol=1e-4,
+                atol=2e-5,
+                err_msg=f"{kind}: {key}",
+            )
+
+
+def test_a_host_cut_off_mid_fit_ends_the_job_on_every_host(tmp_path):
+    marker = tmp_path / "training"
+    with network.Hosts(2, names="own") as hosts:
+        launches = _ktd_run(
+            hosts, 1, "tests/scripts/hosts_long_fit.py", str(marker)
+        )
+        deadline = time.monotonic() + START_S
+        while not marker.exists():
+            assert time.monotonic() < deadline, "training never started"
+            assert all(p.poll() is None for p in launches), [
+                p.communicate() for p in launches
+            ]
+            time.sleep(0.2)
+        hosts.cut(1)
+        results = _outputs(launches, TIMEOUT_S + 60)
+    h1, h2 = network.HOST_NAME.format(1), network.HOST_NAME.format(2)
+    for code, _, stderr, seconds in results:
+        assert code != 0, stderr[-3000:]
+        assert seconds < TIMEOUT_S + 15, (seconds, stderr[-3000:])
+    # The host that kept the rendezvous store names the host it lost...
+    last = results[0][2].strip().splitlines()[-1]
+    assert last.startswith("ktd run: rank 0 (local rank 0) failed first"), last
+    assert f"LostHostsError: rank 0 lost host {h2} (" in last, last
+    assert "rank 1)" in last, last
+    # ...and the cut-off host, whose agent cannot reach that store, ends too.
+    last = results[1][2].strip().splitlines()[-1]
+    assert last.startswith("ktd run: rank 1 (local rank 0) failed"), last
+    assert f"rank 1 lost the coordinator's host: host {h1} (" in last, last
+    assert "Stopping this node's processes." in last, last
