@@ -130,6 +130,8 @@ def test_initialize_uses_a_fresh_key_space_only_on_the_agents_store(
 
     monkeypatch.setenv("KTD_DEVICE", "cpu")
     monkeypatch.setenv("KTD_TIMEOUT_SECONDS", "10")
+    # (set: rank 0 alone does not wait for the others' host names)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)
     monkeypatch.setattr(runtime.dist, "rendezvous", rendezvous)
     monkeypatch.setattr(runtime.dist, "init_process_group", init_process_group)

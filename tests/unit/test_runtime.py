@@ -39,6 +39,9 @@ def torch_start(monkeypatch):
 
     calls.init_process_group.side_effect = _Stop
     monkeypatch.setattr(runtime.dist, "rendezvous", rendezvous)
+    # (tested in test_interfaces.py and tests/hosts)
+    monkeypatch.setattr(runtime.interfaces, "choose", lambda *args: None)
+    monkeypatch.setattr(runtime, "_remember_hosts", lambda *args: None)
     monkeypatch.setattr(
         runtime.dist, "init_process_group", calls.init_process_group
     )
