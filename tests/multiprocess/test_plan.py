@@ -44,6 +44,7 @@ CASES = [
     (4, "llama", "2d"),
     (2, "qwen_moe", "tp"),
     (4, "qwen_moe", "2d"),
+    (4, "qwen_moe3", "2d"),  # experts sharded unevenly in backward
 ]
 
 
@@ -195,10 +196,13 @@ def test_plan_equals_a_real_run(world, model, layout):
     for kind, plan in plans.items():
         assert plan["step_simulated"], (kind, plan["no_step_reason"])
         assert plan["step_kind"] == kind
-        _check(kind, plan, real)
+        _check(kind, plan, real, estimated_ranks=model == "qwen_moe3")
 
 
-def _check(kind, plan, real):
+def _check(kind, plan, real, estimated_ranks=False):
+    """The plan against the real ranks; with `estimated_ranks`, ranks other
+    than 0 whose gathered blocks differ from rank 0's (3 experts on a model
+    axis of 2) have an FSDP figure estimated, not compared (docs/plan.md)."""
     planned = _by_rank(plan)
     for rank, measured in enumerate(real):
         for key in KEYS:
@@ -206,6 +210,8 @@ def _check(kind, plan, real):
         assert planned[rank]["total_bytes"] == sum(measured[k] for k in KEYS)
         if plan["fsdp_groups"]:
             row = planned[rank]
+            if estimated_ranks and rank and row["fsdp_figure"] == "estimated":
+                continue
             assert row["fsdp_figure"] == "measured", (kind, rank)
             assert (
                 row["fsdp_gathered_bytes"],

@@ -1,7 +1,9 @@
 """A training script `ktd plan` plans and the tests also run for real.
 
     python plan_train.py MODEL LAYOUT
-    MODEL: mlp | llama | qwen_moe (tiny keras_hub models from their configs)
+    MODEL: mlp | llama | qwen_moe | qwen_moe3 (tiny keras_hub models from
+           their configs; qwen_moe3 has 3 experts, uneven on a model axis
+           of 2, as Qwen1.5 MoE's 60 on 8)
     LAYOUT: dp (DataParallel) | tp (mesh (1, N)) | fsdp (mesh (N, 1)) |
             2d (mesh (N/2, 2)); the keras_hub models take their own
             layout maps.
@@ -31,6 +33,10 @@ KERAS_HUB = {
         ),
     ),
 }
+KERAS_HUB["qwen_moe3"] = (
+    *KERAS_HUB["qwen_moe"][:2],
+    dict(KERAS_HUB["qwen_moe"][2], num_experts=3),
+)
 model_name, layout = sys.argv[1], sys.argv[2]
 keras.distribution.initialize()
 devices = keras.distribution.list_devices()

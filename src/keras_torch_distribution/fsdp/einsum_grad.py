@@ -34,6 +34,11 @@ output was not (Qwen's attention runs replicated, its output kernel is
 sharded on the heads), so there every einsum of the kind `_Einsum` handles
 runs as `_Einsum` when it meets a DTensor (not only under FSDP), its
 backward einsums rewritten the same way.
+
+A dim sharded unevenly (60 experts on a model axis of 8) cannot be
+flattened with others at all, in any torch: where `torch.einsum` would
+flatten one, it is replicated first (`_evenly_flattened`, forward and
+backward).
 """
 
 import string
@@ -182,6 +187,45 @@ def _replicated_on(operand, dims):
     return operand.redistribute(operand.device_mesh, placements)
 
 
+def _evenly_flattened(subscripts, operands):
+    """`operands` with each dim that is sharded unevenly (its size not a
+    multiple of the mesh axes sharding it) replicated first where
+    `torch.einsum` flattens it with other dims of its kind (batch, kept,
+    contracted), which torch's DTensor refuses ("Cannot flatten unevenly
+    sharded tensor": keras_hub's Qwen MoE, 60 experts on a model axis of 8,
+    its expert gradient sharded on the experts). A dim alone of its kind is
+    not flattened and stays sharded. Operands of an equation `_subscripts`
+    does not parse are returned as they are. Collective: call on every
+    rank."""
+    parsed = _subscripts(subscripts) if len(operands) == 2 else None
+    if parsed is None:
+        return operands
+    a, b, out = (set(part) for part in parsed)
+    kinds = (a & b & out, a - b, b - a, (a & b) - out)
+    result = []
+    for operand, part in zip(operands, parsed[:2]):
+        if isinstance(operand, DTensor) and operand.ndim == len(part):
+            flattened = {
+                d
+                for d in _uneven_dims(operand)
+                if len(set(part) & next(k for k in kinds if part[d] in k)) > 1
+            }
+            operand = _replicated_on(operand, flattened)
+        result.append(operand)
+    return tuple(result)
+
+
+def _uneven_dims(operand):
+    """The dims of DTensor `operand` whose size is not a multiple of the
+    number of shards the mesh cuts them into."""
+    shards = {}
+    for axis, placement in enumerate(operand.placements):
+        if isinstance(placement, Shard):
+            dim = placement.dim % operand.ndim
+            shards[dim] = shards.get(dim, 1) * operand.device_mesh.size(axis)
+    return {d for d, n in shards.items() if operand.shape[d] % n}
+
+
 def _subscripts(equation):
     """(a, b, out) of an "a,b->out" equation of letters each operand uses
     once, every index of an operand in the other operand or in the output;
@@ -227,7 +271,9 @@ class _Einsum(torch.autograd.Function):
 def _contract(equation, x, y):
     """torch.einsum of two tensors, with their sharded dims put first where
     torch's DTensor needs it (`sharded_dims_first`): a gradient can arrive
-    sharded where the forward's output was not."""
+    sharded where the forward's output was not, and sharded unevenly on a
+    dim that torch.einsum flattens (`_evenly_flattened`)."""
+    x, y = _evenly_flattened(equation, (x, y))
     if not _REORDER_SHARDED_DIMS:
         return torch.einsum(equation, x, y)
     equation, permutation, replicate = sharded_dims_first(
@@ -240,6 +286,8 @@ def _contract(equation, x, y):
 
 def einsum(original, subscripts, *operands, **kwargs):
     """Keras' torch `einsum`; see the module docstring."""
+    if isinstance(subscripts, str):
+        operands = _evenly_flattened(subscripts, operands)
     if not _REORDER_SHARDED_DIMS or not isinstance(subscripts, str):
         return _einsum(original, subscripts, *operands, **kwargs)
     # As Keras' einsum does first: a variable becomes its value.

@@ -238,6 +238,14 @@ class _LowGatherFullReduce(torch.autograd.Function):
         return partial.redistribute(plan.mesh, plan.stored), None, None, None
 
 
+def storage_key(local: torch.Tensor) -> int:
+    """The key under which `_Regatherer` finds a saved view of a gathered
+    weight: its storage's data pointer. `ktd plan`'s step on fake tensors
+    (`plan.fake_step`), whose data pointers are all 0, replaces this
+    function with the storage's identity for its duration."""
+    return local.untyped_storage().data_ptr()
+
+
 class _Regatherer:
     """Saved-tensor hooks that keep no gathered weight between forward and
     backward: a saved view of a gathered weight becomes a token, gathered
@@ -255,7 +263,7 @@ class _Regatherer:
 
     def __init__(self, prefetch):
         self.prefetch = prefetch
-        # storage data_ptr of a gathered local tensor ->
+        # storage_key of a gathered local tensor ->
         #   (weakref to it, its storage offset, source, key for the source)
         self.gathered = {}
         # The sources of the tokens packed, in the order of their first.
@@ -266,7 +274,7 @@ class _Regatherer:
         local = view._local_tensor if isinstance(view, DTensor) else view
         if local.numel() == 0 or not local.is_contiguous():
             return
-        self.gathered[local.untyped_storage().data_ptr()] = (
+        self.gathered[storage_key(local)] = (
             weakref.ref(local),
             local.storage_offset(),
             source,
@@ -277,7 +285,7 @@ class _Regatherer:
         local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
         if local.layout != torch.strided or local.numel() == 0:
             return tensor
-        entry = self.gathered.get(local.untyped_storage().data_ptr())
+        entry = self.gathered.get(storage_key(local))
         if entry is None or entry[0]() is None:
             return tensor
         _, base_offset, source, key = entry

@@ -21,6 +21,7 @@ Modules, bottom first (a module imports only those above it):
 - `world`: the simulated world (torch's fake process group), started and
   destroyed only by `ktd plan`.
 - `values`: variables allocated, not initialised, while planning.
+- `peers`: a script's own collectives that need real peers, refused.
 - `shards`: each rank's bytes of a variable, its gradient, its optimizer
   state and FSDP's gathered groups, from shapes and layouts.
 - `gathered`: FSDP's gathered weights measured in a step (held at once,
@@ -34,5 +35,16 @@ Modules, bottom first (a module imports only those above it):
 - `output`: the plan as text and as JSON.
 - `command`: `ktd plan`'s arguments.
 
-Nothing is re-exported: importing the package imports none of them.
+Nothing is re-exported: importing the package imports none of them. A
+script asks `is_planning()` to skip, while planned, what needs real peers
+(its own collectives: `peers`).
 """
+
+
+def is_planning():
+    """True while `ktd plan` runs this process as rank 0 of a simulated
+    world: a script skips with it what needs real peers (a collective of
+    its own, whose result the simulated world cannot give)."""
+    from keras_torch_distribution.plan import world
+
+    return world.is_simulated()

@@ -20,10 +20,10 @@ as a step it could not simulate.
 What the block changes, and puts back on the way out:
 
 - FSDP's regatherer (`fsdp.gathering._Regatherer`) finds a saved view of a
-  gathered weight by its storage's data pointer, which is 0 for every fake
-  tensor; within the block it finds it by the storage's identity instead
-  (`_StorageRegatherer`: `register` and `pack` as the original's with that
-  key, which is what the data pointer stands for on real tensors;
+  gathered weight by its storage's data pointer
+  (`gathering.storage_key`), which is 0 for every fake tensor; within the
+  block that key is the storage's identity instead (`_storage_key`, what
+  the data pointer stands for on real tensors;
   tests/multiprocess/test_plan.py checks that both give a real run's
   collectives and gathers).
 - Keras' `fit` runs the model once on the batch's shapes before its first
@@ -36,7 +36,6 @@ What the block changes, and puts back on the way out:
 """
 
 import contextlib
-import weakref
 
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
@@ -70,50 +69,8 @@ def value_needed(error):
 
 def _storage_key(local):
     """The identity of a tensor's storage, fake or real (a fake tensor's
-    data pointer is 0)."""
+    data pointer is 0): `gathering.storage_key` within `faked`."""
     return local.untyped_storage()._cdata
-
-
-class _StorageRegatherer(gathering._Regatherer):
-    """The regatherer with saved views found by storage identity."""
-
-    def register(self, view, source, key=None):
-        local = view._local_tensor if isinstance(view, DTensor) else view
-        if local.numel() == 0 or not local.is_contiguous():
-            return
-        self.gathered[_storage_key(local)] = (
-            weakref.ref(local),
-            local.storage_offset(),
-            source,
-            key,
-        )
-
-    def pack(self, tensor):
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-        if local.layout != torch.strided or local.numel() == 0:
-            return tensor
-        entry = self.gathered.get(_storage_key(local))
-        if entry is None or entry[0]() is None:
-            return tensor
-        _, base_offset, source, key = entry
-        if id(source) not in self.position:  # backward will regather it
-            self.position[id(source)] = len(self.sources)
-            self.sources.append(source)
-        is_dtensor = isinstance(tensor, DTensor)
-        return gathering._Token(
-            self,
-            source,
-            key,
-            tensor.device_mesh if is_dtensor else None,
-            tensor.placements if is_dtensor else None,
-            tuple(tensor.shape),
-            tensor.stride() if is_dtensor else None,
-            (
-                tuple(local.shape),
-                local.stride(),
-                local.storage_offset() - base_offset,
-            ),
-        )
 
 
 def _make_fake(mode, model):
@@ -157,13 +114,13 @@ def faked(model):
 
         return run
 
-    saved = gathering._Regatherer
-    gathering._Regatherer = _StorageRegatherer
+    saved = gathering.storage_key
+    gathering.storage_key = _storage_key
     try:
         with _index_math_on_real_tensors(), _model_calls(model, in_mode):
             yield in_mode
     finally:
-        gathering._Regatherer = saved
+        gathering.storage_key = saved
 
 
 @contextlib.contextmanager

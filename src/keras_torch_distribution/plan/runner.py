@@ -2,7 +2,8 @@
 
 `plan(world, script, args)` runs `script` (as `python script args` would:
 `__main__`, its folder first on sys.path, sys.argv) as rank 0 of `world`
-processes, with variables unwritten (`values`), up to its first fit /
+processes, with variables unwritten (`values`) and its own collectives
+that need real peers refused (`peers`), up to its first fit /
 evaluate / predict / save (`stops`), and returns the plan: a dict of plain
 values (see `output` for its fields).
 """
@@ -18,6 +19,7 @@ import time
 from keras_torch_distribution import _keras
 from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.plan import fsdp_figure
+from keras_torch_distribution.plan import peers
 from keras_torch_distribution.plan import shards
 from keras_torch_distribution.plan import stops
 from keras_torch_distribution.plan import values
@@ -66,6 +68,7 @@ def plan(world, script, args=(), step="auto"):
         _planned_prefetch(),
         simulated_world.simulated(world),
         values.unmaterialised(),
+        peers.refusing(script),
         stops.stopping(step_kind) as record,
     ):
         _run_script(script, args, record)
@@ -93,6 +96,8 @@ def _run_script(script, args, record):
         runpy.run_path(script, run_name="__main__")
     except stops.Stopped:
         pass
+    except peers.NeedsPeers as error:
+        raise PlanError(str(error)) from None
     except SystemExit as exit_:
         if record.model is None:
             raise PlanError(

@@ -20,6 +20,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution.distributed import collective_counts
 from keras_torch_distribution.plan import fake_step
 from keras_torch_distribution.plan import gathered
+from keras_torch_distribution.plan import peers
 from keras_torch_distribution.plan import shards
 
 STOPPED_AT = ("fit", "evaluate", "predict", "save", "save_weights")
@@ -61,9 +62,10 @@ def stopping(step):
             if name == "fit":
                 kind, reason = step(model)
                 if kind is not None:
-                    reason = _step_or_reason(
-                        record, model, current[name], args, kwargs, kind
-                    )
+                    with peers.allowing():  # the step's values: meaningless
+                        reason = _step_or_reason(
+                            record, model, current[name], args, kwargs, kind
+                        )
                 record.no_step = reason
             if record.tally is None:
                 build_optimizer(model)
