@@ -54,6 +54,7 @@ from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
+from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
 from keras_torch_distribution.checkpoint._files import FORMAT
 from keras_torch_distribution.checkpoint._files import FORMAT_VERSION
@@ -76,6 +77,7 @@ __all__ = [
     "NotACheckpointError",
     "PendingCheckpoint",
     "ShardedCheckpoint",
+    "SplitCheckpointError",
     "UnsafeCheckpointError",
     "async_save",
     "is_checkpoint",
