@@ -21,9 +21,7 @@ import os
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-sys.path.insert(
-    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
