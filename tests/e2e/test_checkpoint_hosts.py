@@ -9,7 +9,8 @@ ranks); one host's copy alone is refused with SplitCheckpointError naming
 the missing files and the fix; the two copies merged into one folder load
 with exactly the saved values in 1 process and in 3. The callbacks
 (ShardedCheckpoint with max_to_keep, BackupAndRestore) keep each host's
-copy complete and tidy.
+copy complete and tidy; resuming from them on the same hosts is refused
+on both with the same error (each host lacks the other's files).
 
 Needs root and `unshare`; skipped with the reason otherwise. Every launch
 runs in a session of its own with a timeout, and is killed on failure.
@@ -90,10 +91,10 @@ def _on_own_disk(own, common, command):
     ]
 
 
-def _two_hosts(tmp_path, mode, target, values, timeout=240):
+def _two_hosts(tmp_path, mode, target, values, succeed=True, timeout=240):
     """Run SCRIPT `mode` on 2 hosts of 1 process; `target` lies under
     tmp_path/common, which each host sees as its own tmp_path/host<K>.
-    The CompletedProcess of each host."""
+    The CompletedProcess of each host (each exited 0 if `succeed`)."""
     common = tmp_path / "common"
     common.mkdir(exist_ok=True)
     endpoint = f"127.0.0.1:{free_port()}"
@@ -128,7 +129,7 @@ def _two_hosts(tmp_path, mode, target, values, timeout=240):
                 os.killpg(host.pid, signal.SIGKILL)
                 host.communicate()
     for result in results:
-        assert result.returncode == 0, result.stderr[-3000:]
+        assert (result.returncode == 0) == succeed, result.stderr[-3000:]
     return results
 
 
@@ -210,3 +211,14 @@ def test_callbacks_keep_each_hosts_copy_complete_and_tidy(tmp_path):
             assert MARKER in names and ".metadata" in names, (path, names)
             assert len([n for n in names if n.endswith(".distcp")]) == 1
         assert os.listdir(run / "backup") == ["latest.ckpt"]
+    # Resuming on the same hosts needs every host's files on each: refused
+    # on both hosts, with the fix, rather than loading part of the values.
+    for result in _two_hosts(
+        tmp_path,
+        "resume",
+        tmp_path / "common" / "run",
+        tmp_path / "r.npz",
+        succeed=False,
+    ):
+        assert "SplitCheckpointError" in result.stderr, result.stderr[-3000:]
+        assert "ckpt-000000012' holds only this host's part" in result.stderr

@@ -5,6 +5,7 @@ each "host" in a mount namespace of its own).
     ktd run ... tests/scripts/hosts_checkpoint.py save CKPT VALUES.npz
     ktd run ... tests/scripts/hosts_checkpoint.py load CKPT VALUES.npz
     ktd run ... tests/scripts/hosts_checkpoint.py callbacks DIR VALUES.npz
+    ktd run ... tests/scripts/hosts_checkpoint.py resume DIR VALUES.npz
 
 `save` trains the checkpoint test model (tests/helpers.py) for 2 epochs
 under ModelParallel over every process (its kernels sharded), saves it to
@@ -14,7 +15,9 @@ model under ModelParallel over its own processes (none in one process),
 loads CKPT and writes the loaded values the same way. `callbacks` fits 3
 epochs with `ShardedCheckpoint(DIR/sharded, max_to_keep=2)` and
 `BackupAndRestore(DIR/backup, delete_checkpoint=False)` and writes the
-final values. Rank 0 prints `saved N values` / `loaded N values`.
+final values; `resume` fits on from the newest checkpoint of
+DIR/sharded (`restore=True`). Rank 0 prints `saved N values` or
+`loaded N values`.
 """
 
 import os
@@ -63,8 +66,13 @@ elif mode == "callbacks":
             ),
         ],
     )
+elif mode == "resume":
+    callback = checkpoint.ShardedCheckpoint(
+        os.path.join(path, "sharded"), restore=True
+    )
+    model.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[callback])
 else:
-    raise SystemExit(f"mode {mode!r}: expected save, load or callbacks")
+    raise SystemExit(f"mode {mode!r}: expected save, load, callbacks or resume")
 values = checkpoint_values(model)
 if runtime.process_id() == 0:
     np.savez(values_path, **values)

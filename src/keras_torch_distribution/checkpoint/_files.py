@@ -9,6 +9,13 @@ and CRC-32 of every file and the rank that wrote it, then moves the
 directory into place. A directory holding the marker is complete; one
 without it is never loaded.
 
+"Rank 0" above and below is, on hosts that do not share the checkpoint's
+folder, the lowest rank of each storage (`storage_groups`): each completes
+and renames its host's copy, which holds the files of that host's ranks,
+the same marker (it also names each file's host and the ranks of each
+storage) and `.metadata` (received from rank 0). Such a copy alone does not
+load (`split_error`); the copies merged into one folder do.
+
 Replacing a checkpoint takes these steps (rank 0):
 
 1. the marker lands in ``path.incomplete`` (now complete);
@@ -298,12 +305,13 @@ def split_error(directory, marker):
     source = f"{hosts[0]}:" if hosts else "HOST:"
     return SplitCheckpointError(
         f"{directory!r} holds only this host's part of a checkpoint saved "
-        "on hosts that did not share its folder (ranks "
-        f"{' | '.join(str(g) for g in groups)} each wrote into their own "
-        f"copy): it lacks {len(missing)} file(s) written by rank(s) {ranks} "
+        "on hosts that did not share its folder (each of the rank groups "
+        f"{groups} wrote into a copy of its own): it lacks {len(missing)} "
+        f"file(s) written by rank(s) {ranks} "
         f"on host(s) {hosts}: {shown}. Copy every host's copy into one "
-        f"directory before loading, e.g. `rsync -a {source}{directory}/ "
-        f"{directory}/` from each of those hosts (the files do not overlap; "
+        "directory before loading (to resume on these hosts: onto each of "
+        f"them), e.g. `rsync -a {source}{directory}/ {directory}/` from "
+        "each of the other hosts (the files do not overlap; "
         "the marker and .metadata are the same on every host), or save to "
         "a shared filesystem. A merged copy loads on any number of "
         "processes and hosts.",
@@ -348,21 +356,9 @@ def agree(step, group=None):
     rank (the first failing rank's error), so that no rank goes on into a
     collective the others left. Returns this rank's result.
     Collective: call on every rank."""
-    result, error = None, None
-    try:
-        result = step()
-    except Exception as caught:  # re-raised below, on every rank
-        error = caught
-    if runtime.is_multi_process():
-        group = group or runtime.cpu_group()
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, _portable(error), group=group)
-        first = next((e for e in errors if e is not None), None)
-        if error is None and first is not None:
-            raise first
-    if error is not None:
-        raise error
-    return result
+    results = []
+    gather(lambda: results.append(step()), group)
+    return results[0]
 
 
 def gather(step, group=None):
@@ -621,7 +617,7 @@ def _groups_from(tokens):
 
 
 # ---------------------------------------------------------------------------
-# Rank 0's file operations.
+# Rank 0's file operations (each storage's lowest rank).
 # ---------------------------------------------------------------------------
 
 
