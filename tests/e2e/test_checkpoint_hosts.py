@@ -19,7 +19,6 @@ runs in a session of its own with a timeout, and is killed on failure.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -28,7 +27,9 @@ import pytest
 
 from helpers import ROOT
 from helpers import finish
+from helpers import finish_all
 from helpers import free_port
+from helpers import node_args
 
 SCRIPT = "tests/scripts/hosts_checkpoint.py"
 MARKER = "keras_checkpoint.json"
@@ -103,31 +104,14 @@ def _two_hosts(tmp_path, mode, target, values, succeed=True, timeout=240):
         own = tmp_path / f"host{node}"
         own.mkdir(exist_ok=True)
         launch = _ktd(
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(node),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            f"hosts-{mode}",
-            "-n",
-            "1",
+            *node_args(node, endpoint, f"hosts-{mode}"),
             SCRIPT,
             mode,
             str(target),
             str(values),
         )
         hosts.append(_start(_on_own_disk(own, common, launch)))
-    try:
-        results = [finish(host, timeout) for host in hosts]
-    finally:
-        for host in hosts:
-            if host.poll() is None:
-                os.killpg(host.pid, signal.SIGKILL)
-                host.communicate()
+    results = finish_all(hosts, timeout)
     for result in results:
         assert (result.returncode == 0) == succeed, result.stderr[-3000:]
     return results
