@@ -157,19 +157,15 @@ def test_one_hosts_copy_of_a_split_checkpoint_names_what_it_lacks(tmp_path):
         inspect.verify(path)
 
 
-def test_storage_groups_from_probe_tokens():
+def test_storage_groups_from_the_probes_each_rank_saw():
     from keras_torch_distribution.checkpoint import _files
 
-    # Ranks 0-1 on one disk, 2-3 on another; rank 3 also finds a stale
-    # probe of rank 0 (an earlier run's token) on its disk.
-    tokens = [
-        ("a", {0: "a", 1: "b"}),
-        ("b", {0: "a", 1: "b"}),
-        ("c", {2: "c", 3: "d", 0: "old"}),
-        ("d", {2: "c", 3: "d", 0: "old"}),
-    ]
-    assert _files._groups_from(tokens) == [[0, 1], [2, 3]]
-    shared = [(t, {0: "a", 1: "b", 2: "c"}) for t in "abc"]
-    assert _files._groups_from(shared) == [[0, 1, 2]]
-    alone = [("a", {0: "a"}), ("b", {}), ("c", {2: "c"})]
-    assert _files._groups_from(alone) == [[0], [1], [2]]
+    # Ranks 0-1 on one disk, 2-3 on another: 0 and 2 (their hosts' first
+    # ranks) read each other's probes, the others their first rank's.
+    assert _files._groups_from([[0], [0], [2], [2]]) == [[0, 1], [2, 3]]
+    assert _files._groups_from([[0, 2], [0], [2], [2]]) == [[0, 1, 2, 3]]
+    # Rank 3 does not see its host's first rank (a container with mounts
+    # of its own) but sees rank 4, on the same mounts.
+    seen = [[0], [0], [2], [3, 4], [3, 4]]
+    assert _files._groups_from(seen) == [[0, 1], [2], [3, 4]]
+    assert _files._groups_from([[], [], [2]]) == [[0], [1], [2]]

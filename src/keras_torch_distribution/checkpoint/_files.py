@@ -467,15 +467,15 @@ def finish(path, marker, written, group=None):
     groups = storage_groups(os.path.dirname(path), group)
     temporary = path + INCOMPLETE_SUFFIX
     split = len(groups) > 1
-    mine = {"files": written, "host": socket.gethostname()}
-    if split and runtime.process_id() == 0:
-        with open(os.path.join(temporary, METADATA), "rb") as f:
-            mine["metadata"] = f.read()
-    everyone = [mine]
-    if runtime.is_multi_process():
-        group = group or runtime.cpu_group()
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+
+    def files_of_this_rank():
+        mine = {"files": written, "host": socket.gethostname()}
+        if split and runtime.process_id() == 0:
+            with open(os.path.join(temporary, METADATA), "rb") as f:
+                mine["metadata"] = f.read()
+        return mine
+
+    everyone = gather(files_of_this_rank, group)
 
     def complete():
         if not leads(groups):
@@ -518,14 +518,15 @@ _storage = {}  # (folder, world process group) -> storage groups
 
 def storage_groups(folder, group=None):
     """The ranks that see the same files in `folder` (made on every rank
-    when missing): lists of ranks, each sorted, ordered by their lowest
-    rank. [[0, 1, 2, 3]] on one shared filesystem, [[0, 1], [2, 3]] for two
-    hosts of two ranks with local disks, [[0]] in one process.
+    of a multi-process run when missing): lists of ranks, each sorted,
+    ordered by their lowest rank. [[0, 1, 2, 3]] on one shared filesystem,
+    [[0, 1], [2, 3]] for two hosts of two ranks with local disks, [[0]] in
+    one process.
 
     The first call for a folder probes it (every rank writes a file of a
-    few bytes there with a random token, then reads every rank's: two
-    all_gather_objects of a few bytes); the answer is kept for the run
-    (`forget_storage`). Collective: call on every rank."""
+    few bytes there with a random token, then reads some others': two
+    all_gather_objects of a few bytes, `_probe_storage`); the answer is
+    kept for the run (`forget_storage`). Collective: call on every rank."""
     if not runtime.is_multi_process():
         return [[runtime.process_id()]]
     key = (normalize(folder), dist.group.WORLD)
@@ -561,8 +562,14 @@ def leads(groups):
 
 
 def _probe_storage(folder, group):
+    """Storage groups of `folder`, found by probe files. Ranks on one host
+    normally see one storage: the first rank of each host reads the probes
+    of the first ranks of the others, and every other rank reads only its
+    host's first rank's, or, where it does not see that (a container with
+    mounts of its own), those of every host's first rank and of its own
+    host's ranks. So a job of R ranks on H hosts opens about H*H + R
+    probe files in all, not R*R."""
     rank = runtime.process_id()
-    world = dist.get_world_size(group)
     token = secrets.token_hex(8)
     probe = os.path.join(folder, f"{PROBE_PREFIX}{rank}")
 
@@ -573,32 +580,48 @@ def _probe_storage(folder, group):
                 f.write(token)
         except OSError as error:
             raise _cannot_write(folder, error) from error
+        return socket.gethostname(), token
 
-    agree(write_probe, group)  # every probe is written before any is read
+    # Every probe is written before any is read, and every token is known.
+    written = gather(write_probe, group)
+    hosts = [host for host, _ in written]
+
+    def sees(other):
+        name = os.path.join(folder, f"{PROBE_PREFIX}{other}")
+        try:
+            with open(name, encoding="ascii", errors="replace") as f:
+                return f.read() == written[other][1]
+        except FileNotFoundError:  # that rank's probe is on another storage
+            return False
+
+    firsts = {}
+    for other, host in enumerate(hosts):
+        firsts.setdefault(host, other)
+    first = firsts[hosts[rank]]
 
     def read_probes():
-        seen = {}
-        for other in range(world):
-            name = os.path.join(folder, f"{PROBE_PREFIX}{other}")
-            try:
-                with open(name, encoding="ascii", errors="replace") as f:
-                    seen[other] = f.read()
-            except FileNotFoundError:
-                continue  # that rank's probe is on another storage
-        return seen
+        if rank == first:
+            wanted = set(firsts.values())
+        elif sees(first):
+            return [first]
+        else:
+            wanted = set(firsts.values()) | {
+                other for other, host in enumerate(hosts) if host == hosts[rank]
+            }
+        return sorted(other for other in wanted if sees(other))
 
-    tokens = gather(lambda: (token, read_probes()), group)
+    seen = gather(read_probes, group)
     try:
         os.remove(probe)
     except OSError as error:
         logger.warning("could not remove the probe file %s: %s", probe, error)
-    return _groups_from(tokens)
+    return _groups_from(seen)
 
 
-def _groups_from(tokens):
-    """Storage groups from every rank's (token, {rank: token read}): ranks
-    that read each other's tokens (transitively) share a storage."""
-    parent = list(range(len(tokens)))
+def _groups_from(seen):
+    """Storage groups from the ranks each rank saw the probes of: ranks
+    that saw each other's (transitively) share a storage."""
+    parent = list(range(len(seen)))
 
     def root(rank):
         while parent[rank] != rank:
@@ -606,12 +629,12 @@ def _groups_from(tokens):
             rank = parent[rank]
         return rank
 
-    for rank, (_, seen) in enumerate(tokens):
-        for other, text in seen.items():
-            if 0 <= other < len(tokens) and text == tokens[other][0]:
+    for rank, others in enumerate(seen):
+        for other in others:
+            if 0 <= other < len(seen):
                 parent[root(other)] = root(rank)
     found = {}
-    for rank in range(len(tokens)):
+    for rank in range(len(seen)):
         found.setdefault(root(rank), []).append(rank)
     return sorted(found.values())
 

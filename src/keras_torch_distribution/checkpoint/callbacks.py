@@ -63,8 +63,9 @@ def tidy(directory: str, max_to_keep: int | None = None) -> None:
     replacements, remove ``*.incomplete`` left by crashed saves and other
     leftovers), then keep only the newest `max_to_keep` complete ones.
     The lowest rank of each storage that holds `directory` (one on a
-    shared filesystem, one per host on local disks: `_files.storage_groups`;
-    `directory` is made if missing) works between two barriers.
+    shared filesystem, one per host on local disks: `_files.storage_groups`,
+    which makes `directory` in a multi-process run) works between two
+    barriers.
     Collective: call on every rank."""
     groups = _files.storage_groups(directory)
     _files.barrier()
