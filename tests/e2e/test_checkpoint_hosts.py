@@ -3,14 +3,16 @@
 Two "hosts" on this machine: two `ktd run --nnodes 2 -n 1` launches (c10d
 rendezvous on 127.0.0.1), each in a mount namespace of its own
 (`unshare --mount`) where the same checkpoint path is bind-mounted onto a
-folder of its own, as two hosts with local disks. The save completes on
-both (each host's copy has the marker, `.metadata` and the files of its
-ranks); one host's copy alone is refused with SplitCheckpointError naming
-the missing files and the fix; the two copies merged into one folder load
-with exactly the saved values in 1 process and in 3. The callbacks
-(ShardedCheckpoint with max_to_keep, BackupAndRestore) keep each host's
-copy complete and tidy; resuming from them on the same hosts is refused
-on both with the same error (each host lacks the other's files).
+folder of its own, as two hosts with local disks; for the save, also with
+host names of their own (`unshare --uts`), resolving to 127.0.0.1. The
+save completes on both (each host's copy has the marker, `.metadata` and
+the files of its ranks); one host's copy alone is refused with
+SplitCheckpointError naming the missing files, their host and the fix;
+the two copies merged into one folder load with exactly the saved values
+in 1 process and in 3. The callbacks (ShardedCheckpoint with max_to_keep,
+BackupAndRestore) keep each host's copy complete and tidy; resuming from
+them on the same hosts is refused on both with the same error (each host
+lacks the other's files).
 
 Needs root and `unshare`; skipped with the reason otherwise. Every launch
 runs in a session of its own with a timeout, and is killed on failure.
@@ -75,29 +77,44 @@ def _ktd(*args):
     return [sys.executable, "-m", "keras_torch_distribution", "run", *args]
 
 
-def _on_own_disk(own, common, command):
-    """`command` where `common` shows the folder `own` (a host's disk)."""
+def _on_own_disk(own, common, command, name=None, hosts_file=None):
+    """`command` where `common` shows the folder `own` (a host's disk);
+    with `name`, on a host of that name (a UTS namespace), which
+    `hosts_file` (bind-mounted on /etc/hosts) resolves."""
+    script = 'mount --bind "$1" "$2" && shift 4 && exec "$@"'
+    options = ["--mount", "--propagation", "private"]
+    if name is not None:
+        script = 'hostname "$3" && mount --bind "$4" /etc/hosts && ' + script
+        options.append("--uts")
     return [
         "unshare",
-        "--mount",
-        "--propagation",
-        "private",
+        *options,
         "sh",
         "-c",
-        'mount --bind "$1" "$2" && shift 2 && exec "$@"',
+        script,
         "sh",
         str(own),
         str(common),
+        str(name),
+        str(hosts_file),
         *command,
     ]
 
 
-def _two_hosts(tmp_path, mode, target, values, succeed=True, timeout=240):
+def _two_hosts(
+    tmp_path, mode, target, values, succeed=True, names=False, timeout=240
+):
     """Run SCRIPT `mode` on 2 hosts of 1 process; `target` lies under
     tmp_path/common, which each host sees as its own tmp_path/host<K>.
-    The CompletedProcess of each host (each exited 0 if `succeed`)."""
+    With `names`, the hosts are also named ktd-host<K> (resolving to
+    127.0.0.1); else they keep this machine's name, like containers of
+    one host with mounts of their own. The CompletedProcess of each host
+    (each exited 0 if `succeed`)."""
     common = tmp_path / "common"
     common.mkdir(exist_ok=True)
+    hosts_file = tmp_path / "hosts"
+    with open("/etc/hosts") as f:
+        hosts_file.write_text(f.read() + "\n127.0.0.1 ktd-host0 ktd-host1\n")
     endpoint = f"127.0.0.1:{free_port()}"
     hosts = []
     for node in (0, 1):
@@ -110,7 +127,10 @@ def _two_hosts(tmp_path, mode, target, values, succeed=True, timeout=240):
             str(target),
             str(values),
         )
-        hosts.append(_start(_on_own_disk(own, common, launch)))
+        name = f"ktd-host{node}" if names else None
+        hosts.append(
+            _start(_on_own_disk(own, common, launch, name, hosts_file))
+        )
     results = finish_all(hosts, timeout)
     for result in results:
         assert (result.returncode == 0) == succeed, result.stderr[-3000:]
@@ -130,7 +150,13 @@ def _values(path):
 
 def test_saved_on_two_disks_merged_loads_on_1_and_3_processes(tmp_path):
     saved_values = tmp_path / "saved.npz"
-    _two_hosts(tmp_path, "save", tmp_path / "common" / "ckpt", saved_values)
+    _two_hosts(
+        tmp_path,
+        "save",
+        tmp_path / "common" / "ckpt",
+        saved_values,
+        names=True,
+    )
     copies = [tmp_path / f"host{node}" / "ckpt" for node in (0, 1)]
     written = []
     for copy in copies:
@@ -149,7 +175,13 @@ def test_saved_on_two_disks_merged_loads_on_1_and_3_processes(tmp_path):
     marker = json.loads(markers[0])
     assert marker["storage_groups"] == [[0], [1]]
     assert {e["rank"] for e in marker["files"].values()} == {0, 1}
-    assert all(e["host"] for e in marker["files"].values())
+    writers = {
+        name: (entry["rank"], entry["host"])
+        for name, entry in marker["files"].items()
+    }
+    # Rank 0 wrote .metadata; each host's name is recorded with its files.
+    assert writers[".metadata"] == writers["__0_0.distcp"]
+    assert {host for _, host in writers.values()} == {"ktd-host0", "ktd-host1"}
 
     # One host's copy alone: the other host's file is named, with the fix.
     lone = copies[0]
@@ -161,7 +193,9 @@ def test_saved_on_two_disks_merged_loads_on_1_and_3_processes(tmp_path):
         refused.stderr
     )
     assert repr(other) in refused.stderr
-    assert "rsync -a " in refused.stderr
+    other_host = writers[other][1]
+    assert f"on host(s) ['{other_host}']" in refused.stderr
+    assert f"rsync -a {other_host}:{lone}/ {lone}/" in refused.stderr
 
     # Both copies merged: exactly the saved values, on 1 and on 3 processes.
     merged = tmp_path / "merged" / "ckpt"
