@@ -53,6 +53,15 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def node_args(node, endpoint, run_id, nnodes=2, nproc=1):
+    """`ktd run` options that make this launch node `node` of `nnodes`
+    (`nproc` processes each) meeting at the c10d rendezvous `endpoint`."""
+    return (
+        f"--nnodes {nnodes} --node-rank {node} --rdzv-backend c10d "
+        f"--rdzv-endpoint {endpoint} --rdzv-id {run_id} -n {nproc}"
+    ).split()
+
+
 def finish(process, timeout):
     """CompletedProcess of `process`, started in a session of its own
     (start_new_session=True); on timeout that session is killed and the
@@ -70,6 +79,19 @@ def finish(process, timeout):
     return subprocess.CompletedProcess(
         process.args, process.returncode, stdout, stderr
     )
+
+
+def finish_all(processes, timeout):
+    """`finish` for launches that run together (the nodes of one job):
+    their CompletedProcesses; if one fails to finish, the sessions of all
+    those still running are killed before the test fails."""
+    try:
+        return [finish(process, timeout) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
 
 
 # ---------------------------------------------------------------------------

@@ -112,6 +112,34 @@ def callback_fit(directory, epochs, restore, async_save=False):
     return seen, sorted(os.listdir(directory)), checkpoint_values(model)
 
 
+def saves_in_one_folder(folder):
+    """Two saves and an async save into `folder`, then `tidy`: (its storage
+    groups, how often it was probed, what is left in it)."""
+    from keras_torch_distribution import checkpoint
+    from keras_torch_distribution.checkpoint import _files
+    from keras_torch_distribution.checkpoint import callbacks
+
+    distribute(SAVE_RULES)
+    model = checkpoint_model()
+    probed = []
+    real = _files._probe_storage
+
+    def counted(*args):
+        probed.append(args[0])
+        return real(*args)
+
+    _files._probe_storage = counted
+    try:
+        checkpoint.save(model, os.path.join(folder, "a"))
+        checkpoint.save(model, os.path.join(folder, "b"))
+        checkpoint.async_save(model, os.path.join(folder, "c")).result()
+        callbacks.tidy(folder)
+        groups = _files.storage_groups(folder)
+    finally:
+        _files._probe_storage = real
+    return groups, probed, sorted(os.listdir(folder))
+
+
 def mismatch_errors(path):
     from keras_torch_distribution import checkpoint
 
@@ -213,6 +241,14 @@ def test_one_process_checkpoint_loads_sharded_on_2(pool2, tmp_path):
         assert extra == [1, "a"]
         assert placed["net/col/kernel"] == "(Shard(dim=1),)"
         assert_same_values(loaded, checkpoint_values(model))
+
+
+def test_one_shared_folder_is_probed_once_and_left_clean(pool2, tmp_path):
+    folder = str(tmp_path / "run")
+    for groups, probed, left in pool2.run(saves_in_one_folder, folder):
+        assert groups == [[0, 1]]
+        assert probed == [folder]  # the first save; the rest reuse it
+        assert left == ["a", "b", "c"]  # no probe file, nothing incomplete
 
 
 def test_async_save_keeps_the_values_of_its_call(pool2, tmp_path):

@@ -1,6 +1,7 @@
 """Checkpoint paths and files refused in the pytest process (no pool):
 missing, incomplete and foreign folders, unserializable extras, an unbuilt
-model, and DCP metadata that points outside the checkpoint.
+model, DCP metadata that points outside the checkpoint, and one host's copy
+of a checkpoint saved on hosts that did not share its folder.
 
 Checkpoints on gloo ranks, and hostile, damaged or mismatched ones, are in
 multiprocess/test_checkpoint.py and multiprocess/test_checkpoint_safety.py.
@@ -12,6 +13,7 @@ import pytest
 
 from helpers import checkpoint_model
 from helpers import record_file
+from helpers import rewrite_marker
 
 
 def test_incomplete_and_foreign_paths_are_refused(tmp_path):
@@ -115,3 +117,55 @@ def test_a_failed_save_leaves_no_incomplete_folder(tmp_path, monkeypatch):
     assert calls
     assert not (tmp_path / "ckpt.incomplete").exists()
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_one_hosts_copy_of_a_split_checkpoint_names_what_it_lacks(tmp_path):
+    """What a host whose ranks wrote only some files holds: the marker
+    lists another host's file, which is not there."""
+    from keras_torch_distribution import checkpoint
+    from keras_torch_distribution.checkpoint import inspect
+
+    path = tmp_path / "ckpt"
+    checkpoint.save(checkpoint_model(), path)
+
+    def split(marker):
+        marker["storage_groups"] = [[0], [1, 2]]
+        for rank in (1, 2):
+            marker["files"][f"__{rank}_0.distcp"] = {
+                "bytes": 10,
+                "crc32": "00000000",
+                "rank": rank,
+                "host": "node-b",
+            }
+
+    rewrite_marker(str(path), split)
+    with pytest.raises(checkpoint.SplitCheckpointError) as error:
+        checkpoint.load(checkpoint_model(), path)
+    message = str(error.value)
+    assert "lacks 2 file(s) written by rank(s) [1, 2]" in message
+    assert "'__1_0.distcp', '__2_0.distcp'" in message
+    assert f"rsync -a node-b:{path}/ {path}/" in message
+    assert error.value.missing == {
+        "__1_0.distcp": (1, "node-b"),
+        "__2_0.distcp": (2, "node-b"),
+    }
+    again = pickle.loads(pickle.dumps(error.value))  # crosses ranks
+    assert again.missing == error.value.missing and str(again) == message
+    # It is not a checkpoint there (what `ktd report` reports).
+    assert isinstance(error.value, checkpoint.NotACheckpointError)
+    with pytest.raises(checkpoint.SplitCheckpointError):
+        inspect.verify(path)
+
+
+def test_storage_groups_from_the_probes_each_rank_saw():
+    from keras_torch_distribution.checkpoint import _files
+
+    # Ranks 0-1 on one disk, 2-3 on another: 0 and 2 (their hosts' first
+    # ranks) read each other's probes, the others their first rank's.
+    assert _files._groups_from([[0], [0], [2], [2]]) == [[0, 1], [2, 3]]
+    assert _files._groups_from([[0, 2], [0], [2], [2]]) == [[0, 1, 2, 3]]
+    # Rank 3 does not see its host's first rank (a container with mounts
+    # of its own) but sees rank 4, on the same mounts.
+    seen = [[0], [0], [2], [3, 4], [3, 4]]
+    assert _files._groups_from(seen) == [[0, 1], [2], [3, 4]]
+    assert _files._groups_from([[], [], [2]]) == [[0], [1], [2]]

@@ -31,13 +31,16 @@ can rewrite its marker too.
 Completeness and crashes (`_files`): every rank writes into
 ``<path>.incomplete``; rank 0 completes it with the marker and moves it into
 place, so a checkpoint being written when a process died is never loaded,
-and replacing one is crash-safe at every instant.
+and replacing one is crash-safe at every instant. On hosts that do not share
+the folder, the lowest rank of each host does so in its host's copy, and a
+copy lacking other hosts' files raises SplitCheckpointError naming them.
 
 Modules, bottom first (a module imports only those above it):
 
 - `_errors`: the checkpoint errors.
 - `_keys`: Keras variable paths to checkpoint keys.
-- `_files`: completion, crash-safe replacement, checksums.
+- `_files`: completion, crash-safe replacement, checksums, which ranks
+  share a storage.
 - `_dcp`: save, async_save, load, the restricted metadata reader.
 - `callbacks`: ShardedCheckpoint, BackupAndRestore.
 - `inspect`: what `ktd report CHECKPOINT` prints.
@@ -54,6 +57,7 @@ from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
+from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
 from keras_torch_distribution.checkpoint._files import FORMAT
 from keras_torch_distribution.checkpoint._files import FORMAT_VERSION
@@ -76,6 +80,7 @@ __all__ = [
     "NotACheckpointError",
     "PendingCheckpoint",
     "ShardedCheckpoint",
+    "SplitCheckpointError",
     "UnsafeCheckpointError",
     "async_save",
     "is_checkpoint",

@@ -773,9 +773,10 @@ def complete_at_exit() -> None:
 def forget_process_groups() -> None:
     """Drop the background-save group once the process group is destroyed
     (it is dead then), so that torch frees it while the interpreter runs;
-    and the staging memory with it."""
+    and the staging memory and which ranks share which folders with it."""
     _async_group.clear()
     staging_memory.clear()
+    _files.forget_storage()
 
 
 def load(

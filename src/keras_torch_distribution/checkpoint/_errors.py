@@ -60,3 +60,21 @@ class DamagedCheckpointError(CheckpointReadError, NotACheckpointError):
     """A checkpoint file differs from what its writer recorded (size or
     checksum): truncated, bit-flipped or replaced. It is also a
     `NotACheckpointError`: the path holds no intact checkpoint."""
+
+
+class SplitCheckpointError(CheckpointReadError, NotACheckpointError):
+    """A checkpoint saved on hosts that do not share a directory is loaded
+    from one host's copy: each host holds only the files its ranks wrote,
+    and the files of the others are missing. `missing` lists them as
+    {file name: (writing rank, its host)}. Copying every host's directory
+    into one makes it loadable, on any number of processes."""
+
+    def __init__(self, message, path=None, rank=None, missing=None):
+        super().__init__(message, path, rank)
+        self.missing = dict(missing or {})
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (self.args[0], self.path, self.rank, self.missing),
+        )

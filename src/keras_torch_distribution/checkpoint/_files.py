@@ -9,6 +9,13 @@ and CRC-32 of every file and the rank that wrote it, then moves the
 directory into place. A directory holding the marker is complete; one
 without it is never loaded.
 
+"Rank 0" above and below is, on hosts that do not share the checkpoint's
+folder, the lowest rank of each storage (`storage_groups`): each completes
+and renames its host's copy, which holds the files of that host's ranks,
+the same marker (it also names each file's host and the ranks of each
+storage) and `.metadata` (received from rank 0). Such a copy alone does not
+load (`split_error`); the copies merged into one folder do.
+
 Replacing a checkpoint takes these steps (rank 0):
 
 1. the marker lands in ``path.incomplete`` (now complete);
@@ -28,7 +35,9 @@ half-removed checkpoint never looks complete.
 import json
 import os
 import pickle
+import secrets
 import shutil
+import socket
 import zlib
 
 import torch.distributed as dist
@@ -37,6 +46,7 @@ from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
+from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
 from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
 
@@ -265,14 +275,60 @@ def verify_file(directory, name, entry):
 
 
 def check_sizes(directory, marker):
-    """Every file the marker lists exists with its recorded size."""
+    """Every file the marker lists exists with its recorded size; a copy
+    that lacks the files of other hosts raises SplitCheckpointError."""
+    split = split_error(directory, marker)
+    if split is not None:
+        raise split
     for name, entry in sorted(file_entries(marker).items()):
         check_size(directory, name, entry)
 
 
+def split_error(directory, marker):
+    """A SplitCheckpointError naming the files `directory` lacks when it is
+    one host's copy of a checkpoint saved on hosts that did not share its
+    folder (the marker's `storage_groups`); else None."""
+    groups = marker.get("storage_groups") or []
+    entries = file_entries(marker)
+    missing = {
+        name: (entry.get("rank"), entry.get("host"))
+        for name, entry in sorted(entries.items())
+        if not os.path.exists(os.path.join(directory, name))
+    }
+    if len(groups) < 2 or not missing:
+        return None
+    ranks = sorted({rank for rank, _ in missing.values() if rank is not None})
+    hosts = sorted({host for _, host in missing.values() if host})
+    shown = ", ".join(repr(name) for name in list(missing)[:8])
+    if len(missing) > 8:
+        shown += f" and {len(missing) - 8} more"
+    source = f"{hosts[0]}:" if hosts else "HOST:"
+    return SplitCheckpointError(
+        f"{directory!r} holds only this host's part of a checkpoint saved "
+        "on hosts that did not share its folder (each of the rank groups "
+        f"{groups} wrote into a copy of its own): it lacks {len(missing)} "
+        f"file(s) written by rank(s) {ranks} "
+        f"on host(s) {hosts}: {shown}. Copy every host's copy into one "
+        "directory before loading (to resume on these hosts: onto each of "
+        f"them), e.g. `rsync -a {source}{directory}/ {directory}/` from "
+        "each of the other hosts (the files do not overlap; "
+        "the marker and .metadata are the same on every host), or save to "
+        "a shared filesystem. A merged copy loads on any number of "
+        "processes and hosts.",
+        directory,
+        ranks[0] if ranks else None,
+        missing,
+    )
+
+
 def problems(directory, marker):
     """Every damaged file of a checkpoint (sizes and checksums, reading all
-    of them), as DamagedCheckpointError instances; [] when intact."""
+    of them), as DamagedCheckpointError instances ([SplitCheckpointError]
+    for one host's copy of a checkpoint split among hosts); [] when
+    intact."""
+    split = split_error(directory, marker)
+    if split is not None:
+        return [split]
     found = []
     for name, entry in sorted(file_entries(marker).items()):
         try:
@@ -300,21 +356,32 @@ def agree(step, group=None):
     rank (the first failing rank's error), so that no rank goes on into a
     collective the others left. Returns this rank's result.
     Collective: call on every rank."""
+    results = []
+    gather(lambda: results.append(step()), group)
+    return results[0]
+
+
+def gather(step, group=None):
+    """Every rank's result of `step()` (a list indexed by rank); if it
+    raised on any rank, the first failing rank's error is raised on every
+    rank. Collective: call on every rank."""
     result, error = None, None
     try:
         result = step()
     except Exception as caught:  # re-raised below, on every rank
         error = caught
+    mine = (result, _portable(error))
+    everyone = [mine]
     if runtime.is_multi_process():
         group = group or runtime.cpu_group()
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, _portable(error), group=group)
-        first = next((e for e in errors if e is not None), None)
-        if error is None and first is not None:
-            raise first
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    first = next((e for _, e in everyone if e is not None), None)
     if error is not None:
         raise error
-    return result
+    if first is not None:
+        raise first
+    return [theirs for theirs, _ in everyone]
 
 
 def _portable(error):
@@ -333,34 +400,40 @@ def _portable(error):
     return error
 
 
+def _cannot_write(path, error):
+    return CheckpointWriteError(
+        (
+            f"Cannot save a checkpoint to {path!r}: "
+            f"{type(error).__name__}: {error.strerror or error} "
+            f"({error.filename or path!r}). Choose a folder this job "
+            "can write to, or make it writable (e.g. `chmod u+w` on "
+            "the folder)."
+        ),
+        path,
+        runtime.process_id(),
+    )
+
+
 def prepare_directory(path, group=None):
     """Check the target, settle what an interrupted save left, clear a stale
-    temporary directory. Collective: call on every rank."""
-    if os.path.exists(path) and not has_marker(path):
-        raise FileExistsError(
-            f"Cannot save a checkpoint to {path!r}: it exists and is not a "
-            "checkpoint, and saving would replace it. Choose another path or "
-            "remove it."
-        )
+    temporary directory (on every storage, by the lowest rank that sees it:
+    `storage_groups`). Collective: call on every rank."""
+    groups = storage_groups(os.path.dirname(path), group)
 
     def make_temporary():
-        if runtime.process_id() != 0:
+        if os.path.exists(path) and not has_marker(path):
+            raise FileExistsError(
+                f"Cannot save a checkpoint to {path!r}: it exists and is not "
+                "a checkpoint, and saving would replace it. Choose another "
+                "path or remove it."
+            )
+        if not leads(groups):
             return
         try:
             settle(path)
             os.makedirs(path + INCOMPLETE_SUFFIX)
         except OSError as error:
-            raise CheckpointWriteError(
-                (
-                    f"Cannot save a checkpoint to {path!r}: "
-                    f"{type(error).__name__}: {error.strerror or error} "
-                    f"({error.filename or path!r}). Choose a folder this job "
-                    "can write to, or make it writable (e.g. `chmod u+w` on "
-                    "the folder)."
-                ),
-                path,
-                0,
-            ) from error
+            raise _cannot_write(path, error) from error
 
     agree(make_temporary, group)
 
@@ -370,7 +443,8 @@ def discard_incomplete(path, group=None):
     not hold the disk until the next save. Collective: call on every rank
     (every rank has seen the failure)."""
     temporary = normalize(path) + INCOMPLETE_SUFFIX
-    if runtime.process_id() == 0 and os.path.exists(temporary):
+    groups = storage_groups(os.path.dirname(temporary), group)
+    if leads(groups) and os.path.exists(temporary):
         try:
             remove_checkpoint(temporary)
         except OSError as error:
@@ -384,30 +458,189 @@ def discard_incomplete(path, group=None):
 
 
 def finish(path, marker, written, group=None):
-    """Rank 0 records every rank's files (`written`: {name: {"bytes",
-    "crc32"}} of this rank) in the marker, which completes the temporary
-    directory, and moves it into place; every rank returns once it is there.
-    Collective: call on every rank."""
-    everyone = [written]
-    if runtime.is_multi_process():
-        group = group or runtime.cpu_group()
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, written, group=group)
-    if runtime.process_id() == 0:
+    """Record every rank's files (`written`: {name: {"bytes", "crc32"}} of
+    this rank) in the marker, which completes the temporary directory, and
+    move it into place: on each storage (`storage_groups`), its lowest rank
+    does it in its copy, where the others put `.metadata` (DCP writes it on
+    rank 0 only) next to its ranks' files. Every rank returns once every
+    copy is in place. Collective: call on every rank."""
+    groups = storage_groups(os.path.dirname(path), group)
+    temporary = path + INCOMPLETE_SUFFIX
+    split = len(groups) > 1
+
+    def files_of_this_rank():
+        mine = {"files": written, "host": socket.gethostname()}
+        if split and runtime.process_id() == 0:
+            with open(os.path.join(temporary, METADATA), "rb") as f:
+                mine["metadata"] = f.read()
+        return mine
+
+    everyone = gather(files_of_this_rank, group)
+
+    def complete():
+        if not leads(groups):
+            return
         files = {}
-        for rank, rank_files in enumerate(everyone):
-            for name, entry in rank_files.items():
-                files[name] = dict(entry, rank=rank)
-        marker = dict(marker, checksum=CHECKSUM, files=files)
-        write_json_atomically(
-            os.path.join(path + INCOMPLETE_SUFFIX, MARKER), marker
-        )
-        settle(path)
-    barrier(group)
+        for rank, theirs in enumerate(everyone):
+            for name, entry in theirs["files"].items():
+                files[name] = dict(entry, rank=rank, host=theirs["host"])
+        completed = dict(marker, checksum=CHECKSUM, files=files)
+        if split:
+            completed["storage_groups"] = groups
+            if not os.path.exists(os.path.join(temporary, METADATA)):
+                _write_atomically(
+                    os.path.join(temporary, METADATA), everyone[0]["metadata"]
+                )
+        try:
+            write_json_atomically(os.path.join(temporary, MARKER), completed)
+            settle(path)
+        except OSError as error:
+            raise _cannot_write(path, error) from error
+
+    agree(complete, group)
 
 
 # ---------------------------------------------------------------------------
-# Rank 0's file operations.
+# Which ranks share a checkpoint's storage.
+# ---------------------------------------------------------------------------
+#
+# Hosts without a shared filesystem each have their own copy of a
+# checkpoint's folder, and a rank sees only the files of the ranks on its
+# host. Each rank writes a probe file into the folder, then reads every
+# rank's: the ranks that read each other's probes share a storage. The
+# lowest rank of each such group does there what rank 0 does on one shared
+# filesystem: settle and make the temporary directory, write the marker,
+# rename, tidy.
+
+PROBE_PREFIX = ".ktd-storage-probe-"
+_storage = {}  # (folder, world process group) -> storage groups
+
+
+def storage_groups(folder, group=None):
+    """The ranks that see the same files in `folder` (made on every rank
+    of a multi-process run when missing): lists of ranks, each sorted,
+    ordered by their lowest rank. [[0, 1, 2, 3]] on one shared filesystem,
+    [[0, 1], [2, 3]] for two hosts of two ranks with local disks, [[0]] in
+    one process.
+
+    The first call for a folder probes it (every rank writes a file of a
+    few bytes there with a random token, then reads some others': two
+    all_gather_objects of a few bytes, `_probe_storage`); the answer is
+    kept for the run (`forget_storage`). Collective: call on every rank."""
+    if not runtime.is_multi_process():
+        return [[runtime.process_id()]]
+    key = (normalize(folder), dist.group.WORLD)
+    if key not in _storage:
+        _storage[key] = _probe_storage(key[0], group or runtime.cpu_group())
+        if len(_storage[key]) > 1 and runtime.process_id() == 0:
+            logger.info(
+                "%s is not one shared folder: the ranks %s each see their "
+                "own copy; the lowest rank of each completes its copy of "
+                "every checkpoint saved there.",
+                key[0],
+                _storage[key],
+            )
+    return _storage[key]
+
+
+def forget_storage(folder=None):
+    """Forget which ranks share `folder` (every folder by default): after
+    the folder is removed, or when the process group goes."""
+    if folder is None:
+        _storage.clear()
+        return
+    folder = normalize(folder)
+    for key in [key for key in _storage if key[0] == folder]:
+        del _storage[key]
+
+
+def leads(groups):
+    """True when this rank is the lowest of its storage group: the one that
+    completes, renames and tidies the checkpoints that storage holds."""
+    rank = runtime.process_id()
+    return any(members[0] == rank for members in groups)
+
+
+def _probe_storage(folder, group):
+    """Storage groups of `folder`, found by probe files. Ranks on one host
+    normally see one storage: the first rank of each host reads the probes
+    of the first ranks of the others, and every other rank reads only its
+    host's first rank's, or, where it does not see that (a container with
+    mounts of its own), those of every host's first rank and of its own
+    host's ranks. So a job of R ranks on H hosts opens about H*H + R
+    probe files in all, not R*R."""
+    rank = runtime.process_id()
+    token = secrets.token_hex(8)
+    probe = os.path.join(folder, f"{PROBE_PREFIX}{rank}")
+
+    def write_probe():
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(probe, "w", encoding="ascii") as f:
+                f.write(token)
+        except OSError as error:
+            raise _cannot_write(folder, error) from error
+        return socket.gethostname(), token
+
+    # Every probe is written before any is read, and every token is known.
+    written = gather(write_probe, group)
+    hosts = [host for host, _ in written]
+
+    def sees(other):
+        name = os.path.join(folder, f"{PROBE_PREFIX}{other}")
+        try:
+            with open(name, encoding="ascii", errors="replace") as f:
+                return f.read() == written[other][1]
+        except FileNotFoundError:  # that rank's probe is on another storage
+            return False
+
+    firsts = {}
+    for other, host in enumerate(hosts):
+        firsts.setdefault(host, other)
+    first = firsts[hosts[rank]]
+
+    def read_probes():
+        if rank == first:
+            wanted = set(firsts.values())
+        elif sees(first):
+            return [first]
+        else:
+            wanted = set(firsts.values()) | {
+                other for other, host in enumerate(hosts) if host == hosts[rank]
+            }
+        return sorted(other for other in wanted if sees(other))
+
+    seen = gather(read_probes, group)
+    try:
+        os.remove(probe)
+    except OSError as error:
+        logger.warning("could not remove the probe file %s: %s", probe, error)
+    return _groups_from(seen)
+
+
+def _groups_from(seen):
+    """Storage groups from the ranks each rank saw the probes of: ranks
+    that saw each other's (transitively) share a storage."""
+    parent = list(range(len(seen)))
+
+    def root(rank):
+        while parent[rank] != rank:
+            parent[rank] = parent[parent[rank]]
+            rank = parent[rank]
+        return rank
+
+    for rank, others in enumerate(seen):
+        for other in others:
+            if 0 <= other < len(seen):
+                parent[root(other)] = root(rank)
+    found = {}
+    for rank in range(len(seen)):
+        found.setdefault(root(rank), []).append(rank)
+    return sorted(found.values())
+
+
+# ---------------------------------------------------------------------------
+# Rank 0's file operations (each storage's lowest rank).
 # ---------------------------------------------------------------------------
 
 
@@ -432,9 +665,16 @@ def _fsync_directory(directory):
 def write_json_atomically(path, value):
     """Write JSON to `path` through a temporary file renamed into place, so
     that `path` is either absent or whole."""
+    text = json.dumps(value, indent=1, sort_keys=True)
+    _write_atomically(path, text.encode("utf-8"))
+
+
+def _write_atomically(path, data):
+    """Write the bytes `data` to `path` through a temporary file renamed
+    into place."""
     temporary = path + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
+    with open(temporary, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     rename(temporary, path)

@@ -62,9 +62,14 @@ def tidy(directory: str, max_to_keep: int | None = None) -> None:
     """Settle every checkpoint of `directory` (finish interrupted
     replacements, remove ``*.incomplete`` left by crashed saves and other
     leftovers), then keep only the newest `max_to_keep` complete ones.
-    Rank 0 works between two barriers. Collective: call on every rank."""
+    The lowest rank of each storage that holds `directory` (one on a
+    shared filesystem, one per host on local disks: `_files.storage_groups`,
+    which makes `directory` in a multi-process run) works between two
+    barriers.
+    Collective: call on every rank."""
+    groups = _files.storage_groups(directory)
     _files.barrier()
-    if runtime.process_id() == 0 and os.path.isdir(directory):
+    if _files.leads(groups) and os.path.isdir(directory):
         steps = _steps(directory)
         for step in sorted(steps):
             _files.settle(steps[step])
@@ -173,8 +178,6 @@ class ShardedCheckpoint(keras.callbacks.Callback):
 
     def _save(self, epoch: int, batch: int, synchronous: bool = False) -> str:
         self._complete_pending()
-        if runtime.process_id() == 0:
-            os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, f"ckpt-{self._step:09d}")
         extra = {"epoch": epoch, "batch": batch, "step": self._step}
         _add_position(extra)
@@ -278,8 +281,8 @@ def write_backup(callback) -> str:
     one kept as `previous.ckpt` with `double_checkpoint`); its path.
     Collective: call on every rank."""
     latest_path = os.path.join(callback.backup_dir, BACKUP_NAME)
-    if runtime.process_id() == 0:
-        os.makedirs(callback.backup_dir, exist_ok=True)
+    groups = _files.storage_groups(callback.backup_dir)  # makes the folder
+    if _files.leads(groups):
         if callback.double_checkpoint:
             _files.settle(latest_path)
             if _files.has_marker(latest_path):
@@ -334,8 +337,10 @@ def backup_train_end(original, callback, logs=None):
     if not runtime.is_multi_process():
         return original(callback, logs)
     if callback.delete_checkpoint:
+        groups = _files.storage_groups(callback.backup_dir)
         _files.barrier()
-        if runtime.process_id() == 0 and os.path.exists(callback.backup_dir):
+        if _files.leads(groups) and os.path.exists(callback.backup_dir):
             shutil.rmtree(callback.backup_dir)
+        _files.forget_storage(callback.backup_dir)
         _files.barrier()
     return None
