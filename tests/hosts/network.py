@@ -12,6 +12,10 @@ namespace of each process started there and written in the host's own
 - `names="loopback"`: each host's own name resolves to 127.0.1.1, as
   Debian and Ubuntu images write it, the others' to their addresses.
 
+`Hosts(n, own_folder=PATH)`: PATH is a folder of each host's own disk (no
+shared filesystem): host i's processes see PATH + ".host<i+1>" there,
+bound in their mount namespace.
+
 `run(i, argv)` starts a process on host i (in a session of its own);
 `cut(i)` takes host i's link down (a partition: no packet in or out, no
 connection reset); `close()` kills every process left in the namespaces
@@ -54,11 +58,12 @@ def _ip(*args):
 
 
 class Hosts:
-    def __init__(self, count, names="own"):
+    def __init__(self, count, names="own", own_folder=None):
         if names not in ("own", "loopback"):
             raise ValueError(f"names={names!r}: expected 'own' or 'loopback'")
         self.count = count
         self.names = names
+        self.own_folder = own_folder
         tag = secrets.token_hex(3)
         self._switch = f"ktd{tag}-sw"
         self._namespaces = [f"ktd{tag}-h{i + 1}" for i in range(count)]
@@ -132,8 +137,18 @@ class Hosts:
             lines.append(f"{address} {name}")
         return "\n".join(lines) + "\n"
 
+    def folder_of(self, i):
+        """Host i's own copy of `own_folder`, seen from outside."""
+        return f"{self.own_folder}.host{i + 1}"
+
     def command(self, i, argv):
         """argv run on host i, under its host name."""
+        start = 'hostname "$0" && exec "$@"'
+        if self.own_folder is not None:
+            own, seen = self.folder_of(i), self.own_folder
+            os.makedirs(own, exist_ok=True)
+            os.makedirs(seen, exist_ok=True)
+            start = f"mount --bind '{own}' '{seen}' && {start}"
         return [
             "ip",
             "netns",
@@ -144,7 +159,7 @@ class Hosts:
             "--",
             "sh",
             "-c",
-            'hostname "$0" && exec "$@"',
+            start,
             self.hostnames[i],
             *argv,
         ]

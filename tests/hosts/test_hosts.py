@@ -9,6 +9,8 @@ node-h1:29400`, as a user runs it on each machine.
   (the package picks the interface that reaches the other hosts).
 - A host cut off mid-fit: every host's `ktd run` ends within
   KTD_TIMEOUT_SECONDS plus 15 s, naming the host and ranks it lost.
+- A sharded checkpoint saved on 2 hosts without a shared filesystem
+  loads, merged, on 3 hosts.
 
 Runs as root where `ip` can make network namespaces (CI does); skipped
 otherwise. Every namespace, link and process a test makes is removed at
@@ -16,6 +18,7 @@ its end, also on failure.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -165,3 +168,51 @@ def test_a_host_cut_off_mid_fit_ends_the_job_on_every_host(tmp_path):
     assert last.startswith("ktd run: rank 1 (local rank 0) failed"), last
     assert f"rank 1 lost the coordinator's host: host {h1} (" in last, last
     assert "Stopping this node's processes." in last, last
+
+
+def test_saved_on_two_hosts_own_disks_loads_on_three_hosts(tmp_path):
+    """A sharded checkpoint saved by 2 hosts, each on its own disk (the
+    same path, another folder per host), completes on both; the two
+    copies merged (as `rsync` would) load on 3 hosts with every value
+    exactly as saved."""
+    ckpt = tmp_path / "disk" / "ckpt"
+    saved = tmp_path / "saved.npz"
+    with network.Hosts(2, own_folder=str(ckpt.parent)) as hosts:
+        results = _outputs(
+            _ktd_run(
+                hosts,
+                1,
+                "tests/scripts/hosts_checkpoint.py",
+                "save",
+                str(ckpt),
+                str(saved),
+            ),
+            START_S,
+        )
+        copies = [os.path.join(hosts.folder_of(i), "ckpt") for i in range(2)]
+    for code, _, stderr, _ in results:
+        assert code == 0, stderr[-3000:]
+    merged = tmp_path / "merged" / "ckpt"
+    for copy in copies:
+        files = os.listdir(copy)
+        assert "keras_checkpoint.json" in files, files  # complete here
+        shutil.copytree(copy, merged, dirs_exist_ok=True)
+    loaded = tmp_path / "loaded.npz"
+    with network.Hosts(3) as hosts:
+        results = _outputs(
+            _ktd_run(
+                hosts,
+                1,
+                "tests/scripts/hosts_checkpoint.py",
+                "load",
+                str(merged),
+                str(loaded),
+            ),
+            START_S,
+        )
+    for code, _, stderr, _ in results:
+        assert code == 0, stderr[-3000:]
+    want, got = np.load(saved), np.load(loaded)
+    assert sorted(got.files) == sorted(want.files)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], key)
