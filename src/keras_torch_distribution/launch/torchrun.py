@@ -21,10 +21,10 @@ import signal
 import socket
 
 from keras_torch_distribution import _env
-from keras_torch_distribution.launch import stuck_agent
 from keras_torch_distribution.launch.failures import failure_summary
 from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
 from keras_torch_distribution.launch.spawn import handled_signals
+from keras_torch_distribution.launch.stuck_agent import Watch
 
 _OWN_OPTIONS = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
 # Options that tell torchrun where the other nodes are: with any of them (or
@@ -224,7 +224,7 @@ def _watch_agent(arguments):
     endpoint = (
         parsed.rdzv_endpoint or f"{parsed.master_addr}:{parsed.master_port}"
     )
-    watch = stuck_agent.Watch(endpoint)
+    watch = Watch(endpoint)
     watch.start()
     return watch
 
