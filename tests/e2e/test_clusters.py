@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT
-from helpers import finish
+from helpers import finish_all
 from helpers import free_port
 from keras_torch_distribution.launch import environments
 
@@ -99,14 +99,7 @@ def _start(args, env):
 def _run_all(envs, args=(_SCRIPT,), timeout=300):
     """Start one process per environment (a scheduler's processes), wait for
     all."""
-    processes = [_start(args, env) for env in envs]
-    try:
-        return [finish(process, timeout) for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.communicate()
+    return finish_all([_start(args, env) for env in envs], timeout)
 
 
 def _marked_processes(marker):

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT
+from helpers import node_args
 
 _WHY_NOT = network.unavailable()
 pytestmark = [
@@ -56,28 +57,23 @@ def _env(**extra):
 
 def _ktd_run(hosts, nproc, script, *args):
     """`ktd run` of `script` on every host, as each machine would run it."""
-    command = [
-        sys.executable,
-        "-m",
-        "keras_torch_distribution",
-        "run",
-        "--nnodes",
-        str(hosts.count),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{network.HOST_NAME.format(1)}:29400",
-        "--rdzv-id",
-        "hosts-test",
-        "-n",
-        str(nproc),
-        script,
-        *args,
-    ]
+    endpoint = f"{network.HOST_NAME.format(1)}:29400"
+
+    def command(i):
+        return [
+            sys.executable,
+            "-m",
+            "keras_torch_distribution",
+            "run",
+            *node_args(i, endpoint, "hosts-test", hosts.count, nproc),
+            script,
+            *args,
+        ]
+
     return [
         hosts.run(
             i,
-            command,
+            command(i),
             cwd=ROOT,
             env=_env(KTD_TIMEOUT_SECONDS=str(TIMEOUT_S)),
             stdout=subprocess.PIPE,
