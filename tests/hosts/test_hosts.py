@@ -11,12 +11,15 @@ node-h1:29400`, as a user runs it on each machine.
   KTD_TIMEOUT_SECONDS plus 15 s, naming the host and ranks it lost.
 - A sharded checkpoint saved on 2 hosts without a shared filesystem
   loads, merged, on 3 hosts.
+- An elastic job (`--nnodes 1:2 --max-restarts 1`) goes on without a host
+  cut off mid-fit and ends with an uninterrupted run's weights.
 
 Runs as root where `ip` can make network namespaces (CI does); skipped
 otherwise. Every namespace, link and process a test makes is removed at
 its end, also on failure.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -27,8 +30,11 @@ import network
 import numpy as np
 import pytest
 
+from helpers import PREEMPT_BATCHES
+from helpers import PREEMPT_EPOCHS
 from helpers import ROOT
 from helpers import node_args
+from helpers import preempt_fit
 
 _WHY_NOT = network.unavailable()
 pytestmark = [
@@ -212,3 +218,91 @@ def test_saved_on_two_hosts_own_disks_loads_on_three_hosts(tmp_path):
     assert sorted(got.files) == sorted(want.files)
     for key in want.files:
         np.testing.assert_array_equal(got[key], want[key], key)
+
+
+RDZV_CONF = (
+    "join_timeout=60,last_call_timeout=5,close_timeout=10,"
+    "keep_alive_interval=1,keep_alive_max_attempt=2"
+)
+
+
+def test_the_hosts_left_go_on_without_a_cut_off_host(pool2, tmp_path):
+    """`--nnodes 1:2 --max-restarts 1`: host 2 is cut off after step 7
+    (tests/scripts/shrink_fit.py, BackupAndRestore every 2 batches); host
+    1's ranks fail naming it, its agent restarts them without host 2 and
+    the fit resumes from step 6's backup, ending with the weights of an
+    uninterrupted run."""
+    every_batch = [
+        (e, b) for e in range(PREEMPT_EPOCHS) for b in range(PREEMPT_BATCHES)
+    ]
+    step, save_freq = 7, 2
+    (tmp_path / "uninterrupted").mkdir()
+    reference = pool2.run(preempt_fit, str(tmp_path / "uninterrupted"), 0)[0]
+    endpoint = f"{network.HOST_NAME.format(1)}:29400"
+    with network.Hosts(2) as hosts:
+        launches = [
+            hosts.run(
+                i,
+                [
+                    sys.executable,
+                    "-m",
+                    "keras_torch_distribution",
+                    "run",
+                    "--nnodes",
+                    "1:2",
+                    "--nproc-per-node",
+                    "2",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-id",
+                    "hosts-shrink",
+                    "--rdzv-conf",
+                    RDZV_CONF,
+                    "--max-restarts",
+                    "1",
+                    "tests/scripts/shrink_fit.py",
+                    str(tmp_path),
+                    str(step),
+                    str(save_freq),
+                ],
+                cwd=ROOT,
+                env=_env(
+                    KTD_TIMEOUT_SECONDS=str(TIMEOUT_S),
+                    SHRINK_NODE=str(i),  # host 2's rank stops after `step`
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        deadline = time.monotonic() + START_S
+        while not (tmp_path / "stopped").exists():
+            assert time.monotonic() < deadline, "step 7 never came"
+            assert all(p.poll() is None for p in launches), [
+                p.communicate() for p in launches
+            ]
+            time.sleep(0.1)
+        hosts.cut(1)
+        code, _, stderr, _ = _outputs(launches[:1], START_S)[0]
+    assert code == 0, stderr[-3000:]
+    assert f"lost host {network.HOST_NAME.format(2)} (" in stderr or (
+        "lost the coordinator's host: host "
+        f"{network.HOST_NAME.format(2)} (" in stderr
+    ), stderr[-3000:]
+    worlds = (tmp_path / "worlds").read_text().split("\n")
+    assert worlds == ["0 4", "1 2", ""], worlds
+    report = json.loads((tmp_path / "attempt1.json").read_text())
+    assert [tuple(p) for p in report["seen"]] == every_batch[step - 1 :]
+    got = {
+        k.replace("|", "/"): v
+        for k, v in np.load(tmp_path / "attempt1.npz").items()
+    }
+    want = reference[1]
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(
+            got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key
+        )
