@@ -62,12 +62,34 @@ def print_env() -> int:
         "KTD_DEVICE",
         "KTD_CLUSTER",
         "KTD_SPAWN",
+        "KTD_MAX_RESTARTS",
+        "KTD_PREEMPTION_SIGNALS",
+        "KTD_PREEMPTION_WAIT",
+        "GLOO_SOCKET_IFNAME",
+        "NCCL_SOCKET_IFNAME",
         "OMP_NUM_THREADS",
     ):
         lines[key] = os.environ.get(key)
+    lines.update(_host_lines())
     for key, value in lines.items():
         print(f"{key:26} {value}")
     return print_launch()
+
+
+def _host_lines():
+    """This host's name and the address gloo gives its peers for it (a
+    loopback one is right on one host only: see launch.interfaces)."""
+    import socket
+
+    from keras_torch_distribution.launch import interfaces
+
+    hostname = socket.gethostname()
+    address = interfaces.gloo_address(hostname)
+    if interfaces.is_loopback(address):
+        address = (
+            f"{address} (loopback: across hosts the package picks an interface)"
+        )
+    return {"host name": hostname, "gloo address": address}
 
 
 def print_launch() -> int:

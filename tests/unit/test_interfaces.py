@@ -156,3 +156,20 @@ def test_a_node_whose_agent_is_stuck_ends():
         "agent on this node has not stopped it for 4 s: it waits on the "
         "rendezvous store at node-a:29400"
     ), result.stderr
+
+
+def test_ktd_env_shows_the_host_and_the_interface_settings(
+    loopback_host, monkeypatch, capsys
+):
+    from keras_torch_distribution import cli
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
+    cli.print_env()
+    lines = capsys.readouterr().out.splitlines()
+    assert "host name                  node-a" in lines
+    assert (
+        "gloo address               127.0.1.1 (loopback: across hosts the "
+        "package picks an interface)"
+    ) in lines
+    assert "GLOO_SOCKET_IFNAME         eth1" in lines
+    assert "KTD_MAX_RESTARTS           None" in lines
