@@ -43,6 +43,18 @@ def test_a_job_on_one_host_keeps_loopback(loopback_host):
     assert environ == {}
 
 
+def test_hosts_that_all_reach_the_coordinator_over_loopback_keep_it(
+    loopback_host,
+):
+    """Other host names on one network stack (containers of one machine
+    sharing its network): loopback reaches every process."""
+    environ = {}
+    store = dist.HashStore()
+    _other_host_checked_in(store, address="127.0.0.1")
+    assert interfaces.choose(store, 1, 2, "node-a", environ) is None
+    assert environ == {}
+
+
 def test_a_set_interface_is_kept(loopback_host):
     environ = {"GLOO_SOCKET_IFNAME": "ib0"}
     store = dist.HashStore()

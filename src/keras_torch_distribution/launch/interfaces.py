@@ -19,7 +19,8 @@ to the interface that reaches the coordinator (on the coordinator's own
 host: that reaches the other hosts), logging it once per host; where no
 interface does, it fails at once naming the host name, the address and the
 setting. A set GLOO_SOCKET_IFNAME is the user's choice and is kept; so is
-a job on one host, where loopback is right.
+a job on one network stack (one host, or hosts of other names that all
+reach the coordinator over loopback), where loopback is right.
 """
 
 import ipaddress
@@ -158,8 +159,11 @@ def choose(store, rank, world_size, coordinator_host, environ=os.environ):
     others = [(name, address) for name, address in hosts if name != hostname]
     if not others:  # (two hosts of one name: told apart by their address)
         others = [(n, a) for n, a in hosts if f"{n} {a}" != host]
-    if len(hosts) == 1:
-        return None  # one host: loopback is right
+    if len(hosts) == 1 or not any(_usable(a) for _, a in hosts):
+        # One host, or hosts of other names that all reach the coordinator
+        # over loopback (one network stack: containers of one machine):
+        # loopback is right.
+        return None
     targets = [coordinator] + [address for _, address in others]
     for target in targets:
         leaves_from = source_address(target) if _usable(target) else None
