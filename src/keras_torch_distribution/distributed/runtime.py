@@ -446,7 +446,9 @@ def _remember_hosts(store, rank, init_method):
     small all-gather at the start)."""
     facts = [None] * dist.get_world_size()
     dist.all_gather_object(
-        facts, interfaces.host_facts(_coordinator_host(init_method))
+        facts,
+        interfaces.host_facts(_coordinator_host(init_method)),
+        group=cpu_group(),
     )
     lost_hosts.table.remember(
         store, dist.get_rank(), facts, _coordinator(init_method)
