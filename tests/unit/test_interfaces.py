@@ -116,11 +116,19 @@ def test_a_rank_that_does_not_sign_in_is_named_with_its_host(two_hosts):
         "for recv operation to complete"
     )
     assert lost_hosts.explain(error) == (
-        "rank 0 lost host node-b (192.0.2.2: rank 1): their ranks stopped "
-        "answering and did not sign in on the rendezvous store within 0.2 s "
-        "(host died, or cut off). (RuntimeError: [gloo/transport/tcp/"
+        "rank 0 lost host node-b (192.0.2.2: rank 1): stopped answering and "
+        "did not sign in on the rendezvous store within 0.2 s (a host that "
+        "died or was cut off; a process that died). (RuntimeError: "
+        "[gloo/transport/tcp/"
         "unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation "
         "to complete)"
+    )
+    # One rank of a host that has others: that rank is named.
+    lost_hosts.table.hosts.append(("node-b", "192.0.2.2"))
+    lost_hosts.table.on_coordinator.append(False)
+    two_hosts.set("ktd/alive/2", "1")  # (rank 2 answers the roll call)
+    assert lost_hosts.explain(error).startswith(
+        "rank 0 lost rank 1 on host node-b (192.0.2.2): stopped "
     )
     # Another failure is not a lost host.
     assert lost_hosts.explain(ValueError("shapes differ")) is None

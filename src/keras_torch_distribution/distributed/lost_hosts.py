@@ -74,9 +74,10 @@ def explain(error):
     if not missing:
         return None
     return (
-        f"rank {me} lost {_hosts(missing)}: their ranks stopped answering "
-        "and did not sign in on the rendezvous store within "
-        f"{ROLL_CALL_SECONDS:g} s (host died, or cut off). "
+        f"rank {me} lost {_hosts(missing)}: stopped answering and did not "
+        "sign in on the rendezvous store within "
+        f"{ROLL_CALL_SECONDS:g} s (a host that died or was cut off; a "
+        "process that died). "
         f"({_first_line(error)})"
     )
 
@@ -108,17 +109,23 @@ def _roll_call(store, me, world):
 
 
 def _hosts(ranks):
-    """ "host node-h2 (10.0.0.2: ranks 2, 3)" for each host of `ranks`."""
+    """ "host node-h2 (10.0.0.2: ranks 2, 3)" for a host all of whose ranks
+    are in `ranks`, "rank 3 on host node-h2 (10.0.0.2)" for one of some."""
     by_host = {}
     for rank in ranks:
         by_host.setdefault(table.hosts[rank], []).append(rank)
-    parts = [
-        f"{name} ({address or 'address unknown'}: "
-        f"rank{'s' if len(found) > 1 else ''} "
-        f"{', '.join(map(str, found))})"
-        for (name, address), found in by_host.items()
-    ]
-    return ("host " if len(parts) == 1 else "hosts ") + "; ".join(parts)
+    parts = []
+    for (name, address), found in by_host.items():
+        where = address or "address unknown"
+        every = [r for r, host in enumerate(table.hosts) if host[0] == name]
+        listed = ", ".join(map(str, found))
+        if found == every:
+            s = "s" if len(found) > 1 else ""
+            parts.append(f"host {name} ({where}: rank{s} {listed})")
+        else:
+            s = "s" if len(found) > 1 else ""
+            parts.append(f"rank{s} {listed} on host {name} ({where})")
+    return "; ".join(parts)
 
 
 def _first_line(error):
