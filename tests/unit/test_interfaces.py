@@ -151,11 +151,13 @@ def test_a_store_that_does_not_answer_names_the_coordinators_host(
 
 
 _STUCK_AGENT = """
-import subprocess, time
+import os, subprocess, time
 from keras_torch_distribution.launch import stuck_agent
 stuck_agent.Watch("node-a:29400").start()
-failing = subprocess.Popen(["sh", "-c", "exit 3"])
+rank = dict(os.environ, TORCHELASTIC_RUN_ID="x", RANK="1", LOCAL_RANK="0")
+failing = subprocess.Popen(["sh", "-c", "sleep 1; exit 3"], env=rank)
 sleeping = subprocess.Popen(["sleep", "60"])
+not_a_rank = subprocess.Popen(["sh", "-c", "exit 4"])
 time.sleep(60)  # (like an agent stuck in its store: nothing is reaped)
 """
 
@@ -172,7 +174,7 @@ def test_a_node_whose_agent_is_stuck_ends():
     assert result.returncode == 1, result.stderr
     assert took < 30, took
     assert result.stderr.startswith(
-        "ktd run: rank ? (local rank ?) failed, exit code 3. torchrun's "
+        "ktd run: rank 1 (local rank 0) failed, exit code 3. torchrun's "
         "agent on this node has not stopped it for 4 s: it waits on the "
         "rendezvous store at node-a:29400"
     ), result.stderr

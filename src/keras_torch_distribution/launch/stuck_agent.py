@@ -9,7 +9,8 @@ even reaped them. `Watch` (a thread of `ktd run`) sees a rank of this node
 that exited with an error and stays unreaped for `GRACE_SECONDS` (a
 working agent reaps within its monitoring interval, 0.1 s), says so in one
 line with the rank's own error, stops this node's other ranks (SIGTERM,
-then SIGKILL) and ends `ktd run` with exit code 1.
+then SIGKILL) and ends `ktd run` with exit code 1. Only children seen
+alive as ranks (TORCHELASTIC_RUN_ID in their environment) count.
 """
 
 import json
@@ -38,27 +39,35 @@ class Watch(threading.Thread):
         self._stopped.set()
 
     def run(self):
-        failed_since = {}
+        failed_since = {}  # pid -> when it was first seen failed, unreaped
         while not self._stopped.wait(POLL_SECONDS):
             self._note_children()
-            exited = _exited_child()
-            if exited is None:
-                failed_since.clear()
-                continue
-            pid, code = exited
-            if code == 0:
-                continue  # (a slow agent: it will reap it)
-            since = failed_since.setdefault(pid, time.monotonic())
-            if time.monotonic() - since >= GRACE_SECONDS:
-                self._end(pid, code)
+            for pid in self._workers():
+                code = _exited(pid)
+                if not code:  # running, reaped, or a success (reaped soon)
+                    failed_since.pop(pid, None)
+                    continue
+                since = failed_since.setdefault(pid, time.monotonic())
+                if time.monotonic() - since >= GRACE_SECONDS:
+                    self._end(pid, code)
+
+    def _workers(self):
+        """Pids of the children seen alive as torchrun's ranks."""
+        return [pid for pid, (rank, _, _) in self._ranks.items() if rank != "?"]
 
     def _note_children(self):
+        """Remember the children of now (a reaped one is forgotten: its pid
+        may come back as another process)."""
+        noted = {}
         for pid in _children():
-            if pid not in self._ranks:
-                self._ranks[pid] = _rank_of(pid)
+            known = self._ranks.get(pid)
+            if known is None or (known[0] == "?" and _running(pid)):
+                known = _rank_of(pid)  # (again: read before its exec)
+            noted[pid] = known
+        self._ranks = noted
 
     def _end(self, pid, code):
-        rank, local_rank, error_file = self._ranks.get(pid, ("?", "?", None))
+        rank, local_rank, error_file = self._ranks[pid]
         said = _recorded_error(error_file)
         sys.stderr.write(
             f"ktd run: rank {rank} (local rank {local_rank}) failed, "
@@ -93,22 +102,23 @@ def _children():
     return found
 
 
-def _exited_child():
-    """(pid, exit code or -signal) of a child that exited and is not yet
-    reaped (it stays so: WNOWAIT), or None."""
+def _exited(pid):
+    """The exit code (or -signal) of child `pid` if it exited and is not yet
+    reaped (it stays so: WNOWAIT), else None."""
     try:
-        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # (reaped meanwhile)
         return None
     if info is None or info.si_pid == 0:
         return None
     exited = info.si_code == os.CLD_EXITED
-    return info.si_pid, info.si_status if exited else -info.si_status
+    return info.si_status if exited else -info.si_status
 
 
 def _rank_of(pid):
     """(RANK, LOCAL_RANK, TORCHELASTIC_ERROR_FILE) of a child, from its
-    environment ("?" where it cannot be read)."""
+    environment ("?" where it cannot be read, or it is not a rank: no
+    TORCHELASTIC_RUN_ID)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             pairs = f.read().split(b"\0")
@@ -119,6 +129,8 @@ def _rank_of(pid):
         for pair in pairs
         if b"=" in pair
     )
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return "?", "?", None
     return (
         env.get("RANK", "?"),
         env.get("LOCAL_RANK", "?"),
