@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -60,6 +61,44 @@ def node_args(node, endpoint, run_id, nnodes=2, nproc=1):
         f"--nnodes {nnodes} --node-rank {node} --rdzv-backend c10d "
         f"--rdzv-endpoint {endpoint} --rdzv-id {run_id} -n {nproc}"
     ).split()
+
+
+# The c10d rendezvous of the elastic tests (e2e/test_elastic_shrink.py,
+# hosts/test_hosts.py): a dead node is dropped after 2 missed 1 s
+# heartbeats, and a round with the minimum of nodes closes after 5 s.
+SHRINK_RDZV_CONF = (
+    "join_timeout=60,last_call_timeout=5,close_timeout=10,"
+    "keep_alive_interval=1,keep_alive_max_attempt=2"
+)
+
+
+def shrink_command(endpoint, rdzv_id, rdzv_conf, *script_args):
+    """`ktd run` of tests/scripts/shrink_fit.py as one node of an elastic
+    job (`--nnodes 1:2`, 2 processes, one restart) at `endpoint`."""
+    return [
+        sys.executable,
+        "-m",
+        "keras_torch_distribution",
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        rdzv_conf,
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.2",
+        os.path.join(TESTS, "scripts", "shrink_fit.py"),
+        *map(str, script_args),
+    ]
 
 
 def finish(process, timeout):

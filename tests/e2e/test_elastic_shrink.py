@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
@@ -38,21 +37,18 @@ from helpers import LAUNCHER_VARIABLES
 from helpers import PREEMPT_BATCHES
 from helpers import PREEMPT_EPOCHS
 from helpers import ROOT
-from helpers import TESTS
+from helpers import SHRINK_RDZV_CONF
 from helpers import free_port
 from helpers import preempt_fit
+from helpers import shrink_command
 
-SCRIPT = os.path.join(TESTS, "scripts", "shrink_fit.py")
 EVERY_BATCH = [
     (e, b) for e in range(PREEMPT_EPOCHS) for b in range(PREEMPT_BATCHES)
 ]
 STEP = 7  # node 1 stops after this step
 SAVE_FREQ = 2  # so the newest complete backup is step 6's
 LIMIT_S = 150
-RDZV_CONF = (
-    "join_timeout=60,last_call_timeout=5,close_timeout=10,"
-    "keep_alive_interval=1,keep_alive_max_attempt=2"
-)
+RDZV_CONF = SHRINK_RDZV_CONF
 
 
 def _launch(out, node, endpoint, rdzv_id, lost):
@@ -67,32 +63,14 @@ def _launch(out, node, endpoint, rdzv_id, lost):
     )
     for key in LAUNCHER_VARIABLES:
         env.pop(key, None)
-    command = [
-        sys.executable,
-        "-m",
-        "keras_torch_distribution",
-        "run",
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
+    command = shrink_command(
         endpoint,
-        "--rdzv-id",
         rdzv_id,
-        "--rdzv-conf",
         f"is_host={int(node != lost)},{RDZV_CONF}",
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.2",
-        SCRIPT,
-        str(out),
-        str(STEP),
-        str(SAVE_FREQ),
-    ]
+        out,
+        STEP,
+        SAVE_FREQ,
+    )
     # Output to a file (a pipe read only at the end could fill and block
     # the launcher); its own session, so that it can be killed whole.
     with open(out / f"node{node}.log", "w") as log:

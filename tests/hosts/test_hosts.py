@@ -33,8 +33,10 @@ import pytest
 from helpers import PREEMPT_BATCHES
 from helpers import PREEMPT_EPOCHS
 from helpers import ROOT
+from helpers import SHRINK_RDZV_CONF
 from helpers import node_args
 from helpers import preempt_fit
+from helpers import shrink_command
 
 _WHY_NOT = network.unavailable()
 pytestmark = [
@@ -220,12 +222,6 @@ def test_saved_on_two_hosts_own_disks_loads_on_three_hosts(tmp_path):
         np.testing.assert_array_equal(got[key], want[key], key)
 
 
-RDZV_CONF = (
-    "join_timeout=60,last_call_timeout=5,close_timeout=10,"
-    "keep_alive_interval=1,keep_alive_max_attempt=2"
-)
-
-
 def test_the_hosts_left_go_on_without_a_cut_off_host(pool2, tmp_path):
     """`--nnodes 1:2 --max-restarts 1`: host 2 is cut off after step 7
     (tests/scripts/shrink_fit.py, BackupAndRestore every 2 batches); host
@@ -243,30 +239,14 @@ def test_the_hosts_left_go_on_without_a_cut_off_host(pool2, tmp_path):
         launches = [
             hosts.run(
                 i,
-                [
-                    sys.executable,
-                    "-m",
-                    "keras_torch_distribution",
-                    "run",
-                    "--nnodes",
-                    "1:2",
-                    "--nproc-per-node",
-                    "2",
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
+                shrink_command(
                     endpoint,
-                    "--rdzv-id",
                     "hosts-shrink",
-                    "--rdzv-conf",
-                    RDZV_CONF,
-                    "--max-restarts",
-                    "1",
-                    "tests/scripts/shrink_fit.py",
-                    str(tmp_path),
-                    str(step),
-                    str(save_freq),
-                ],
+                    SHRINK_RDZV_CONF,
+                    tmp_path,
+                    step,
+                    save_freq,
+                ),
                 cwd=ROOT,
                 env=_env(
                     KTD_TIMEOUT_SECONDS=str(TIMEOUT_S),
