@@ -51,7 +51,7 @@ def _ours(width, layers, directory):
     import torch
 
     from keras_torch_distribution import Preempted
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     torch.set_num_threads(1)
     keras.distribution.initialize()

@@ -332,7 +332,7 @@ def resume_fit(backup_dir, record, kill, epochs=EPOCHS):
     whether the backup is left)."""
     import keras
 
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     distribute(SAVE_RULES)
     model = checkpoint_model()
@@ -476,9 +476,9 @@ def preempt_fit(out, attempt, how="none", step=0, rank=1, save_freq="epoch"):
 
     import keras
 
+    from keras_torch_distribution._processes import runtime
     from keras_torch_distribution.checkpoint import ShardedCheckpoint
     from keras_torch_distribution.checkpoint import _dcp
-    from keras_torch_distribution.distributed import runtime
 
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     model = checkpoint_model()

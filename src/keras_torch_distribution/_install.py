@@ -16,6 +16,7 @@ import keras
 from keras_torch_distribution import _keras
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import saving
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import adapter
 from keras_torch_distribution.batch import position
 from keras_torch_distribution.batch import random_slices
@@ -25,7 +26,6 @@ from keras_torch_distribution.checkpoint import callbacks
 from keras_torch_distribution.distributed import keras_ops
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import sharding_rules
 from keras_torch_distribution.fsdp import einsum_grad
 from keras_torch_distribution.fsdp import flat_shards

@@ -78,10 +78,10 @@ def print_env() -> int:
 
 def _host_lines():
     """This host's name and the address gloo gives its peers for it (a
-    loopback one is right on one host only: see launch.interfaces)."""
+    loopback one is right on one host only: see _processes.interfaces)."""
     import socket
 
-    from keras_torch_distribution.launch import interfaces
+    from keras_torch_distribution._processes import interfaces
 
     hostname = socket.gethostname()
     address = interfaces.gloo_address(hostname)
@@ -96,7 +96,7 @@ def print_launch() -> int:
     """What keras.distribution.initialize() would do in this process (which
     launcher, address, port, world, rank, local rank), starting nothing.
     1 when the environment is incomplete (the error is printed)."""
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     print("\ninitialize() here:")
     try:
@@ -118,11 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from keras_torch_distribution import launch
+        from keras_torch_distribution.launch import _torchrun
 
         try:
-            launch.run(rest)
-        except launch.Signalled as stopped:
+            _torchrun.run(rest)
+        except _torchrun.Signalled as stopped:
             print(stopped.message, file=sys.stderr)
             return stopped.code
         return 0

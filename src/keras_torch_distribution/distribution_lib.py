@@ -13,9 +13,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import runtime
+from keras_torch_distribution._processes import seeds
 from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.distributed import runtime
-from keras_torch_distribution.distributed import seeds
 from keras_torch_distribution.distributed import tensors
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from typing import Any
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.checkpoint.inspect import checkpoint_table  # noqa: F401
 from keras_torch_distribution.checkpoint.inspect import format_checkpoint_table  # noqa: F401
 from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import tensors
 from keras_torch_distribution.log import logger
 from keras_torch_distribution.variables import left_whole

@@ -26,7 +26,7 @@ import tempfile
 import keras
 import torch.distributed as dist
 
-from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution._processes import runtime
 
 
 def _collective_write(original, model, filepath, *args, **kwargs):

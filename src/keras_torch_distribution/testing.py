@@ -27,7 +27,7 @@ import traceback
 from typing import TYPE_CHECKING
 from typing import Any
 
-from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
+from keras_torch_distribution._processes.spawn import PARENT_PID_VARIABLE
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -29,7 +29,7 @@ import pytest
 from helpers import ROOT
 from helpers import finish_all
 from helpers import free_port
-from keras_torch_distribution.launch import environments
+from keras_torch_distribution._processes import environments
 
 _SCRIPT = "tests/scripts/dp_train.py"
 _NUMBERS = re.compile(

@@ -6,7 +6,7 @@ SLURM job's warning before its end) sent to `ktd run` reaches the ranks.
 
 Each restart finds torchrun's store as the attempts before left it (the
 agent keeps one store for its whole life); without a key space of its own
-per start (`launch.agent_store`), gloo read the previous attempt's
+per start (`_processes.agent_store`), gloo read the previous attempt's
 addresses and failed (`connectFullMesh ... Connection refused`) or hung.
 The launch runs in its own session with a timeout, and every wait of the
 ranks is bounded by KTD_TIMEOUT_SECONDS. What is handed to torchrun, and

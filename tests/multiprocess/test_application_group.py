@@ -28,10 +28,10 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
     import torch
     import torch.distributed as dist
 
+    from keras_torch_distribution._processes import runtime
     from keras_torch_distribution.batch import adapter
     from keras_torch_distribution.checkpoint import _files
     from keras_torch_distribution.distributed import agreement
-    from keras_torch_distribution.distributed import runtime
     from keras_torch_distribution.distributed import stopping
 
     rank = rank_by_pid[os.getpid()]

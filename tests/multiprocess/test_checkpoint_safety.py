@@ -171,7 +171,7 @@ def test_malicious_metadata_runs_nothing_and_names_the_class(
 def save_and_load_keras_file_with_a_lambda(path):
     import keras
 
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     distribute(SAVE_RULES)
     keras.utils.set_random_seed(5)
@@ -281,7 +281,7 @@ def save_errors(path, fill_after=None, size_limit_rank=None):
     import signal
 
     from keras_torch_distribution import checkpoint
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     distribute({r".*col/kernel": (None, "model"), r".*col/bias": ("model",)})
     model = _big_model()
@@ -384,8 +384,8 @@ def backup_with_snapshots(backup_dir, snapshots):
     epoch-2 one (what rank 0 dying there would leave), and once after."""
     import keras
 
+    from keras_torch_distribution._processes import runtime
     from keras_torch_distribution.checkpoint import _files
-    from keras_torch_distribution.distributed import runtime
 
     distribute(SAVE_RULES)
     model = checkpoint_model()

@@ -404,7 +404,7 @@ def _preempted_llama(directory, signal_at):
     import keras
 
     from keras_torch_distribution import Preempted
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     set_distribution("llama", "model")
     x, y, _ = data(PREEMPT_ROWS)

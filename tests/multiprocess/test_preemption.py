@@ -70,7 +70,7 @@ class _Signal(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        from keras_torch_distribution.distributed import runtime
+        from keras_torch_distribution._processes import runtime
 
         if (self.epoch, batch) == self.at and (
             runtime.process_id() in self.ranks
@@ -357,7 +357,7 @@ def _evaluate_preempted():
     """evaluate (outside fit) with SIGTERM on rank 1 after test batch 1:
     (exit code, message, test batches seen, the SIGTERM handler after)."""
     from keras_torch_distribution import Preempted
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     _distribute("dp")
     x, y = _data()

@@ -36,7 +36,7 @@ from helpers import checkpoint_model  # noqa: E402
 from helpers import checkpoint_values  # noqa: E402
 from helpers import distribute  # noqa: E402
 from keras_torch_distribution import checkpoint  # noqa: E402
-from keras_torch_distribution.distributed import runtime  # noqa: E402
+from keras_torch_distribution._processes import runtime  # noqa: E402
 
 mode, path, values_path = sys.argv[1:4]
 keras.distribution.initialize()

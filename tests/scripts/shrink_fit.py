@@ -33,7 +33,7 @@ from helpers import PREEMPT_EPOCHS  # noqa: E402
 from helpers import checkpoint_model  # noqa: E402
 from helpers import checkpoint_values  # noqa: E402
 from helpers import preempt_data  # noqa: E402
-from keras_torch_distribution.distributed import runtime  # noqa: E402
+from keras_torch_distribution._processes import runtime  # noqa: E402
 
 SLEEP_S = 300  # longer than the test waits: node 1 dies while sleeping
 

@@ -18,8 +18,8 @@ from torch.distributed.tensor import Shard
 import keras_torch_distribution
 from keras_torch_distribution import _keras
 from keras_torch_distribution import distribution_lib
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.distributed import runtime
 
 
 def _keras_backend_distribution_lib():
@@ -312,7 +312,7 @@ def test_timeout_must_be_positive(monkeypatch, text):
 
 
 def test_init_method_parsing():
-    from keras_torch_distribution.launch.environments import coordinator_url
+    from keras_torch_distribution._processes.environments import coordinator_url
 
     assert coordinator_url("10.0.0.1:1234") == "tcp://10.0.0.1:1234"
     assert (

@@ -1,4 +1,4 @@
-"""Which launcher started this process: `launch.environments.detect` on the
+"""Which launcher started this process: `_processes.environments.detect` on the
 variables each scheduler sets (the cases T1-T26 of the design note
 design/clusters.md), the SLURM host list parser, and the errors of
 incomplete or inconsistent variables. Pure functions: nothing starts.
@@ -12,15 +12,15 @@ import zlib
 
 import pytest
 
-from keras_torch_distribution.launch import hostlist
-from keras_torch_distribution.launch.environments import JOIN
-from keras_torch_distribution.launch.environments import SINGLE
-from keras_torch_distribution.launch.environments import SPAWN
-from keras_torch_distribution.launch.environments import (
+from keras_torch_distribution._processes import hostlist
+from keras_torch_distribution._processes.environments import JOIN
+from keras_torch_distribution._processes.environments import SINGLE
+from keras_torch_distribution._processes.environments import SPAWN
+from keras_torch_distribution._processes.environments import (
     IncompleteEnvironmentError,
 )
-from keras_torch_distribution.launch.environments import Outside
-from keras_torch_distribution.launch.environments import detect
+from keras_torch_distribution._processes.environments import Outside
+from keras_torch_distribution._processes.environments import detect
 
 T1 = {
     "TORCHELASTIC_RUN_ID": "x",

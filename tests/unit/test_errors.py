@@ -125,7 +125,7 @@ def test_model_parallel_needs_a_layout_map(one_process):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "1e30", "abc", "-5", "0"])
 def test_bad_timeout_setting(monkeypatch, value):
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     monkeypatch.setenv("KTD_TIMEOUT_SECONDS", value)
     with pytest.raises(ValueError) as caught:

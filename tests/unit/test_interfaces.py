@@ -1,7 +1,7 @@
 """Jobs across hosts, the parts that need no second host (tests/hosts has
 the jobs): gloo's interface where a host name resolves to loopback
-(`launch.interfaces`), the line naming lost hosts (`lost_hosts`), and a
-node whose torchrun agent is stuck (`launch.stuck_agent`)."""
+(`_processes.interfaces`), the line naming lost hosts (`lost_hosts`), and a
+node whose torchrun agent is stuck (`launch._stuck_agent`)."""
 
 import socket
 import subprocess
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from keras_torch_distribution.distributed import lost_hosts
-from keras_torch_distribution.launch import interfaces
+from keras_torch_distribution._processes import interfaces
+from keras_torch_distribution._processes import lost_hosts
 
 
 def test_the_loopback_address_is_on_lo():
@@ -152,8 +152,8 @@ def test_a_store_that_does_not_answer_names_the_coordinators_host(
 
 _STUCK_AGENT = """
 import os, subprocess, time
-from keras_torch_distribution.launch import stuck_agent
-stuck_agent.Watch("node-a:29400").start()
+from keras_torch_distribution.launch import _stuck_agent
+_stuck_agent.Watch("node-a:29400").start()
 rank = dict(os.environ, TORCHELASTIC_RUN_ID="x", RANK="1", LOCAL_RANK="0")
 failing = subprocess.Popen(["sh", "-c", "sleep 1; exit 3"], env=rank)
 sleeping = subprocess.Popen(["sleep", "60"])

@@ -15,9 +15,10 @@ import pytest
 import torch.distributed as dist
 
 from keras_torch_distribution import _env
-from keras_torch_distribution import launch
-from keras_torch_distribution.launch import agent_store
-from keras_torch_distribution.launch import spawn
+from keras_torch_distribution._processes import agent_store
+from keras_torch_distribution._processes import spawn
+from keras_torch_distribution._processes.failures import failure_summary
+from keras_torch_distribution.launch import _torchrun
 
 _LAUNCH = ["-m", "keras_torch_distribution.launch"]
 _SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -113,7 +114,7 @@ def test_initialize_uses_a_fresh_key_space_only_on_the_agents_store(
 ):
     """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the group is built
     on the store under this start's own prefix; elsewhere on the store."""
-    from keras_torch_distribution.distributed import runtime
+    from keras_torch_distribution._processes import runtime
 
     class Stop(RuntimeError):
         pass
@@ -160,7 +161,7 @@ def test_initialize_uses_a_fresh_key_space_only_on_the_agents_store(
 
 def test_ktd_run_adds_sigusr1_to_the_signals_torchrun_passes_on(monkeypatch):
     monkeypatch.delenv("PET_SIGNALS_TO_HANDLE", raising=False)
-    assert launch.torchrun_arguments(
+    assert _torchrun.torchrun_arguments(
         ["-n", "2", "--max-restarts", "1", "t.py"]
     ) == [
         "--nproc-per-node",
@@ -178,11 +179,11 @@ def test_ktd_run_adds_sigusr1_to_the_signals_torchrun_passes_on(monkeypatch):
         ["--signals-to-handle", "SIGTERM"],
         ["--signals_to_handle=SIGTERM,SIGUSR2"],
     ):
-        arguments = launch.torchrun_arguments([*given, "-n", "2", "t.py"])
+        arguments = _torchrun.torchrun_arguments([*given, "-n", "2", "t.py"])
         assert arguments[: len(given)] == given
         assert "--signals-to-handle" not in arguments[len(given) :]
     monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGTERM")
-    assert "--signals-to-handle" not in launch.torchrun_arguments(
+    assert "--signals-to-handle" not in _torchrun.torchrun_arguments(
         ["-n", "2", "t.py"]
     )
 
@@ -204,7 +205,7 @@ def test_a_signal_to_ktd_run_ends_it_with_128_plus_the_signal(
         "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1")
     )
     with pytest.raises(SystemExit) as exited:
-        launch.run(["-n", "2", "t.py"])
+        _torchrun.run(["-n", "2", "t.py"])
     assert exited.value.code == 138
     from keras_torch_distribution import cli
 
@@ -288,8 +289,8 @@ def agent(monkeypatch, tmp_path):
 
 
 def _one_node():
-    from keras_torch_distribution.launch.record import SPAWN
-    from keras_torch_distribution.launch.record import Launch
+    from keras_torch_distribution._processes.record import SPAWN
+    from keras_torch_distribution._processes.record import Launch
 
     return Launch(
         environment="local",
@@ -359,18 +360,18 @@ def test_a_rank_that_stopped_on_a_preemption_signal_was_preempted(
     tmp_path, exitcode, name
 ):
     preempted = _failure(tmp_path, 1, exitcode, 100)
-    assert launch.failure_summary({1: preempted}) == (
+    assert failure_summary({1: preempted}) == (
         f"ktd run: rank 1 (local rank 1) was preempted by {name} (exit code "
         f"{exitcode}). It is resumable: relaunch the job, or use `ktd run "
         "--max-restarts N` to restart it in place (keras.callbacks."
         "BackupAndRestore resumes from its newest backup)."
     )
-    assert "use KTD_MAX_RESTARTS=N to restart" in launch.failure_summary(
+    assert "use KTD_MAX_RESTARTS=N to restart" in failure_summary(
         {1: preempted}, launcher="keras.distribution.initialize()"
     )
     # What it recorded, if anything, is said.
     said = _failure(tmp_path, 2, exitcode, 100, "Preempted: saved at step 7")
-    assert launch.failure_summary({2: said}).startswith(
+    assert failure_summary({2: said}).startswith(
         f"ktd run: rank 2 (local rank 2) was preempted by {name} (exit code "
         f"{exitcode}): Preempted: saved at step 7. It is resumable"
     )
@@ -381,7 +382,7 @@ def test_a_rank_stopped_after_a_failure_is_not_named_preempted(tmp_path):
     SIGTERM exits 143 in the same second as the rank that raised."""
     raised = _failure(tmp_path, 1, 1, 100, "ValueError: bad input")
     stopped = _failure(tmp_path, 0, 128 + signal.SIGTERM, 100)
-    assert launch.failure_summary({0: stopped, 1: raised}).startswith(
+    assert failure_summary({0: stopped, 1: raised}).startswith(
         "ktd run: rank 1 (local rank 1) failed first, exit code 1: "
         "ValueError: bad input."
     )
@@ -389,7 +390,7 @@ def test_a_rank_stopped_after_a_failure_is_not_named_preempted(tmp_path):
 
 def test_a_rank_killed_by_sigusr1_is_no_native_crash(tmp_path):
     killed = _failure(tmp_path, 0, -signal.SIGUSR1, 100)
-    assert launch.failure_summary({0: killed}) == (
+    assert failure_summary({0: killed}) == (
         "ktd run: rank 0 (local rank 0) died first, by signal SIGUSR1 (exit "
         "code -10). SIGUSR1 is SLURM's warning before a job's end "
         "(`--signal=USR1@N`) or a `kill -USR1`; nothing in the rank handled "

@@ -12,7 +12,8 @@ import socket
 import pytest
 
 from helpers import free_port
-from keras_torch_distribution import launch
+from keras_torch_distribution._processes.failures import failure_summary
+from keras_torch_distribution.launch import _torchrun
 
 # --------------------------------------------------------------------------
 # Arguments handed to torchrun
@@ -25,7 +26,7 @@ _SIGNALS = ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 
 
 def test_torchrun_arguments_one_node_is_standalone():
-    assert launch.torchrun_arguments(
+    assert _torchrun.torchrun_arguments(
         ["-n", "2", "train.py", "--lr", "0.1"]
     ) == [
         "--nproc-per-node",
@@ -37,7 +38,7 @@ def test_torchrun_arguments_one_node_is_standalone():
         "--lr",
         "0.1",
     ]
-    assert launch.torchrun_arguments(
+    assert _torchrun.torchrun_arguments(
         ["-n=2", "--nnodes=1", "--max-restarts", "1", "train.py"]
     ) == [
         "--nproc-per-node=2",
@@ -50,7 +51,7 @@ def test_torchrun_arguments_one_node_is_standalone():
         "train.py",
     ]
     # A flag (no value) before the script is not mistaken for taking it.
-    assert launch.torchrun_arguments(
+    assert _torchrun.torchrun_arguments(
         ["--virtual-local-rank", "-n", "2", "t.py"]
     ) == [
         "--virtual-local-rank",
@@ -78,7 +79,7 @@ def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
         "train.py",
         "-x",
     ]
-    assert launch.torchrun_arguments(argv) == [
+    assert _torchrun.torchrun_arguments(argv) == [
         "--nnodes",
         "2",
         "--node-rank",
@@ -95,7 +96,7 @@ def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
         "-x",
     ]
     # One node at a given address (static rendezvous): no --standalone either.
-    assert "--standalone" not in launch.torchrun_arguments(
+    assert "--standalone" not in _torchrun.torchrun_arguments(
         ["--master-addr", "10.0.0.1", "--master_port=29500", "-n", "2", "t.py"]
     )
 
@@ -128,12 +129,12 @@ def test_torchrun_arguments_several_nodes_use_the_given_rendezvous():
 )
 def test_torchrun_arguments_errors(argv, message):
     with pytest.raises(SystemExit, match=message):
-        launch.torchrun_arguments(argv)
+        _torchrun.torchrun_arguments(argv)
 
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    """`launch.run` must refuse before torchrun starts anything."""
+    """`_torchrun.run` must refuse before torchrun starts anything."""
     from torch.distributed import run as torch_run
 
     def must_not_start(arguments):
@@ -159,7 +160,7 @@ def test_bad_timeout_setting_is_refused_before_ranks_start(
             r"in \(0, 604800\]"
         ),
     ):
-        launch.run(["-n", "2", "train.py"])
+        _torchrun.run(["-n", "2", "train.py"])
 
 
 class _HeldPort:
@@ -199,7 +200,7 @@ def test_a_held_master_port_is_refused_before_ranks_start(no_launch):
             ],
         ):
             with pytest.raises(SystemExit, match=_port_in_use_message(port)):
-                launch.run(argv)
+                _torchrun.run(argv)
 
 
 def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
@@ -218,12 +219,12 @@ def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
 
     monkeypatch.setattr(torch_run, "main", taken)
     with pytest.raises(SystemExit, match=_port_in_use_message(port)):
-        launch.run(["--master-port", str(port), "-n", "2", "t.py"])
+        _torchrun.run(["--master-port", str(port), "-n", "2", "t.py"])
     # Other nodes host nothing: their torchrun runs unchecked.
     seen = []
     monkeypatch.setattr(torch_run, "main", seen.append)
     with _HeldPort() as held:
-        launch.run(
+        _torchrun.run(
             [
                 "--master-port",
                 str(held),
@@ -296,7 +297,7 @@ def test_failure_summary_prefers_a_killed_rank_to_one_that_lost_it(tmp_path):
         0: _failure(tmp_path, 0, -signal.SIGTERM, 100, _LOST_PEER),
         1: _failure(tmp_path, 1, -signal.SIGKILL, 101),
     }
-    summary = launch.failure_summary(failures)
+    summary = failure_summary(failures)
     assert summary == (
         "ktd run: rank 1 (local rank 1) died first, by signal SIGKILL (exit "
         "code -9). It was killed from outside Python (the kernel's "
@@ -305,7 +306,7 @@ def test_failure_summary_prefers_a_killed_rank_to_one_that_lost_it(tmp_path):
         "other processes."
     )
     # Alone, the rank that lost its peer is named, with what that means.
-    summary = launch.failure_summary({0: failures[0]})
+    summary = failure_summary({0: failures[0]})
     assert summary.startswith(
         "ktd run: rank 0 (local rank 0) failed first, exit code -15 (SIGTERM): "
         "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
@@ -320,7 +321,7 @@ def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
     # A rank torchrun stopped (SIGTERM, nothing recorded) in the same second
     # as the one that raised is not blamed.
     stopped = _failure(tmp_path, 0, -signal.SIGTERM, 100)
-    summary = launch.failure_summary({0: stopped, 1: raised})
+    summary = failure_summary({0: stopped, 1: raised})
     # The exception's type and first line, and for a Keras layer error the
     # error itself, not the last line (an argument of the call).
     assert summary.startswith(
@@ -330,23 +331,21 @@ def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
     ), summary
     assert "training=False" not in summary
     crashed = _failure(tmp_path, 2, -signal.SIGSEGV, 100)
-    assert launch.failure_summary({2: crashed}) == (
+    assert failure_summary({2: crashed}) == (
         "ktd run: rank 2 (local rank 2) died first, by signal SIGSEGV (exit "
         "code -11). That is a crash in native code, not a Python exception, so "
         "it left no Python traceback; its last output above may say why. "
         "torchrun stopped the other processes."
     )
     exited = _failure(tmp_path, 3, 3, 100)
-    assert launch.failure_summary({3: exited}).startswith(
+    assert failure_summary({3: exited}).startswith(
         "ktd run: rank 3 (local rank 3) failed first, exit code 3, without a "
         "Python exception on record"
     )
     # Two ranks that both lost a peer: the earlier one.
     late = _failure(tmp_path, 4, 1, 105, _LOST_PEER)
     early = _failure(tmp_path, 5, 1, 104, _LOST_PEER)
-    assert launch.failure_summary({4: late, 5: early}).startswith(
-        "ktd run: rank 5 "
-    )
+    assert failure_summary({4: late, 5: early}).startswith("ktd run: rank 5 ")
 
 
 @pytest.mark.parametrize(
@@ -401,13 +400,13 @@ def test_failure_summary_says_what_a_signal_means(
     in native code: the summary says what was hit and the fix."""
     number = getattr(signal, signal_name)
     killed = _failure(tmp_path, 1, -number, 100)
-    assert launch.failure_summary({1: killed}) == (
+    assert failure_summary({1: killed}) == (
         f"ktd run: rank 1 (local rank 1) died first, by signal {signal_name} "
         f"(exit code -{int(number)}). {meaning} torchrun stopped the other "
         "processes."
     )
     # The processes initialize() starts are named as that launcher's.
-    assert launch.failure_summary(
+    assert failure_summary(
         {1: killed}, launcher="keras.distribution.initialize()"
     ).startswith(
         "keras.distribution.initialize(): rank 1 (local rank 1) died first"

@@ -16,7 +16,7 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from helpers import LAUNCHER_VARIABLES  # noqa: E402
-from keras_torch_distribution.distributed import runtime  # noqa: E402
+from keras_torch_distribution._processes import runtime  # noqa: E402
 
 
 class _Stop(RuntimeError):
@@ -117,7 +117,7 @@ def test_initialize_from_the_launcher_environment(torch_start, monkeypatch):
 
 def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
     """On CUDA, the process computes on GPU LOCAL_RANK % device_count."""
-    from keras_torch_distribution.distributed import seeds
+    from keras_torch_distribution._processes import seeds
 
     calls, store = torch_start
     calls.init_process_group.side_effect = None  # the group "starts"
@@ -151,7 +151,7 @@ def test_initialize_picks_this_process_gpu(torch_start, monkeypatch):
 
 def _started_on_cuda(torch_start, monkeypatch, device_count=2):
     """torch_start with CUDA "available" and the group "started"."""
-    from keras_torch_distribution.distributed import seeds
+    from keras_torch_distribution._processes import seeds
 
     calls, store = torch_start
     calls.init_process_group.side_effect = None
@@ -197,7 +197,7 @@ def test_a_given_local_rank_is_not_counted(torch_start, monkeypatch):
 
 def test_a_cpu_start_touches_no_gpu(torch_start, monkeypatch):
     """KTD_DEVICE=cpu on a CUDA machine: gloo, no device, no device_id."""
-    from keras_torch_distribution.distributed import seeds
+    from keras_torch_distribution._processes import seeds
 
     calls, store = torch_start
     calls.init_process_group.side_effect = None

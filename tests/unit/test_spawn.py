@@ -17,9 +17,9 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from helpers import LAUNCHER_VARIABLES  # noqa: E402
-from keras_torch_distribution.distributed import runtime  # noqa: E402
-from keras_torch_distribution.launch import environments  # noqa: E402
-from keras_torch_distribution.launch import spawn  # noqa: E402
+from keras_torch_distribution._processes import environments  # noqa: E402
+from keras_torch_distribution._processes import runtime  # noqa: E402
+from keras_torch_distribution._processes import spawn  # noqa: E402
 
 
 class _Started(Exception):

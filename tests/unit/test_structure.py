@@ -1,8 +1,7 @@
 """The package's structure: layers without an import circle, one seam.
 
 LAYERS lists the package's layers bottom first: its top-level modules and
-its sub-packages (a module listed by its full name, `launch.__main__`, sits
-apart from its package). Inside a sub-package the order is the one its
+its sub-packages. Inside a sub-package the order is the one its
 `__init__` docstring lists its modules in ("- `name`: ..."), and the
 package's `__init__` sits above its modules. A module imports only modules
 below it (at module level or inside functions), so there is no import
@@ -28,8 +27,8 @@ LAYERS = [
     "_keras",  # the seam: the only importer of keras.src
     "_env",  # KTD_* settings
     "log",
-    "launch",  # which launcher started this process; starting more
-    "distributed",  # processes, meshes, DTensors
+    "_processes",  # this process joins its job: launchers, process group
+    "distributed",  # meshes, DTensors
     "fsdp",
     "variables",  # born sharded
     "distribution_lib",  # the backend module keras.distribution calls
@@ -41,8 +40,8 @@ LAYERS = [
     "report",
     "_install",  # the patch table
     "__init__",
-    "launch.__main__",  # what each launched process runs
     "plan",  # ktd plan: a simulated world of N on one CPU
+    "launch",  # ktd run; what each launched process runs
     "cli",
     "__main__",
     "testing",

@@ -22,8 +22,8 @@ import torch
 import torch.distributed
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import stopping
 from keras_torch_distribution.log import warn_once
 

@@ -46,12 +46,12 @@ from torch.distributed.tensor import DTensor
 
 import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._keys as _keys
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointError
 from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
 
 if TYPE_CHECKING:

@@ -42,12 +42,12 @@ import zlib
 
 import torch.distributed as dist
 
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
 from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
 
 FORMAT = "keras_torch_distribution.checkpoint"

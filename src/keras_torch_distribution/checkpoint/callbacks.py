@@ -13,9 +13,9 @@ import keras
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import position
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import logger
 
 _NAME = re.compile(r"^ckpt-(\d+)$")

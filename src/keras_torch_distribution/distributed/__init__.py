@@ -1,11 +1,8 @@
-"""Processes, meshes and DTensors: the parts that know torch, not models.
+"""Meshes and DTensors: the parts that know torch, not models (the
+process group is `_processes`').
 
 Modules, bottom first (a module imports only those above it):
 
-- `seeds`: every process agrees on seeds.
-- `lost_hosts`: the hosts and ranks a failed collective lost, in one line.
-- `runtime`: torch.distributed's process group (started once), devices, rank
-  and world.
 - `sharding_rules`: DTensor rules torch lacks or gets wrong; `uninstall()`
   gives torch its own back.
 - `layouts`: Keras `DeviceMesh` / `TensorLayout` onto torch meshes and

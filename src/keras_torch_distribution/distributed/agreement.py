@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.log import warn_once
 
 # Rows of an input sampled (evenly spaced) for its digest: enough to tell

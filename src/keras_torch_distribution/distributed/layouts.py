@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.log import warn_once
 
 if TYPE_CHECKING:

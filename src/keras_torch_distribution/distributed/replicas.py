@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.distributed import runtime
 
 if TYPE_CHECKING:
     from keras.distribution import DataParallel

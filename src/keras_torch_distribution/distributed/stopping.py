@@ -27,7 +27,7 @@ import keras
 import torch
 import torch.distributed as dist
 
-from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.log import warn_on_every_rank
 
 

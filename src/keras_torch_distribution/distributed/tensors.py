@@ -17,8 +17,8 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.distributed import runtime
 
 
 def as_torch(value, dtype=None, device=None):

@@ -49,9 +49,9 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
 from keras_torch_distribution import _env
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import tensors
 
 if TYPE_CHECKING:

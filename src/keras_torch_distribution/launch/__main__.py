@@ -15,7 +15,7 @@ import runpy
 import signal
 import sys
 
-from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
+from keras_torch_distribution._processes.spawn import PARENT_PID_VARIABLE
 
 USAGE = (
     "usage: python -m keras_torch_distribution.launch SCRIPT [ARGS] | -m "
@@ -42,14 +42,14 @@ def die_with_parent(environ=os.environ):
 
 class LostHostsError(RuntimeError):
     """A collective failed because hosts of the job were lost: the message
-    names them and their ranks (`distributed.lost_hosts`)."""
+    names them and their ranks (`_processes.lost_hosts`)."""
 
 
 def run_target(argv):
     """Install the backend, then run a script file or `-m MODULE` as
     __main__; a failure that lost hosts is raised again as a
     `LostHostsError` naming them (the line `ktd run` shows)."""
-    from keras_torch_distribution.distributed import lost_hosts
+    from keras_torch_distribution._processes import lost_hosts
 
     try:
         _run(argv)

@@ -11,8 +11,8 @@ import os
 
 import torch.distributed as dist
 
-from keras_torch_distribution.distributed import runtime
-from keras_torch_distribution.distributed import seeds
+from keras_torch_distribution._processes import runtime
+from keras_torch_distribution._processes import seeds
 
 
 def check_world(world):

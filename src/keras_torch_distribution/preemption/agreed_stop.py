@@ -32,10 +32,10 @@ import time
 
 import keras
 
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import position
 from keras_torch_distribution.checkpoint import _files
 from keras_torch_distribution.checkpoint import callbacks as checkpoints
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.distributed import stopping
 from keras_torch_distribution.log import warn_on_every_rank
 from keras_torch_distribution.preemption import requeue

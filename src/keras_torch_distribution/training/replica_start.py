@@ -28,7 +28,7 @@ import keras
 import torch
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.distributed import runtime
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.log import logger
 from keras_torch_distribution.training import compiled
 from keras_torch_distribution.training import trainer

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import saving
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import position
 from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import runtime
 from keras_torch_distribution.preemption import agreed_stop
 from keras_torch_distribution.preemption import signals
 from keras_torch_distribution.training import boundary

@@ -38,9 +38,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.distributed import collectives
-from keras_torch_distribution.distributed import runtime
 
 
 class PendingCopies:

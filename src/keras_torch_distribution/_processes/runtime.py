@@ -1,11 +1,11 @@
 """Processes and devices: torch.distributed's process group, started once.
 
 `initialize()` joins the job that started this process, whatever started
-it: `launch.environments.detect` reads the environment (torchrun, SLURM,
+it: `environments.detect` reads the environment (torchrun, SLURM,
 MPI, LSF, Kubeflow, explicit arguments; see there), and where this process
 should start its node's processes instead (a bare script on a machine with
 several GPUs, `initialize(num_processes=N)` without a launcher, one task
-per node), `launch.spawn` starts them and this process exits with them.
+per node), `spawn` starts them and this process exits with them.
 
 Environment variables read here: those `detect` reads, and
 KTD_TIMEOUT_SECONDS (see `_env`): how long the rendezvous and every
@@ -32,16 +32,16 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
-from keras_torch_distribution.distributed import lost_hosts
-from keras_torch_distribution.distributed import seeds
-from keras_torch_distribution.launch import agent_store
-from keras_torch_distribution.launch import environments
-from keras_torch_distribution.launch import interfaces
-from keras_torch_distribution.launch import spawn
+from keras_torch_distribution._processes import agent_store
+from keras_torch_distribution._processes import environments
+from keras_torch_distribution._processes import interfaces
+from keras_torch_distribution._processes import lost_hosts
+from keras_torch_distribution._processes import seeds
+from keras_torch_distribution._processes import spawn
 from keras_torch_distribution.log import logger
 
 if TYPE_CHECKING:
-    from keras_torch_distribution.launch.record import Launch
+    from keras_torch_distribution._processes.record import Launch
 
 DEFAULT_TIMEOUT_SECONDS = _env.DEFAULT_TIMEOUT_SECONDS
 timeout_seconds = _env.timeout_seconds
@@ -107,7 +107,7 @@ def detect_launch(
     process_id: int | None = None,
 ) -> Launch:
     """What `initialize()` would do in this process, starting nothing: a
-    `launch.environments.Launch` (which launcher, address, port, world,
+    `environments.Launch` (which launcher, address, port, world,
     rank, local rank, or the processes it would start). `ktd env` shows it.
     """
     return environments.detect(
@@ -127,7 +127,7 @@ def initialize(
     """Start torch.distributed. Idempotent.
 
     With no arguments, joins the job that started this process (torchrun,
-    SLURM srun, mpirun, LSF jsrun, Kubeflow; see `launch.environments`);
+    SLURM srun, mpirun, LSF jsrun, Kubeflow; see `environments`);
     arguments (and KERAS_DISTRIBUTION_*) win over what is detected. In a
     plain `python` run it starts a world of one process, or, with several
     local GPUs or `num_processes=N` (no address), one process per device /

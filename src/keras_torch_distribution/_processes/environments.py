@@ -37,22 +37,24 @@ KTD_SPAWN=N starts N per node where processes are started (CPU included).
 
 import dataclasses
 
-import keras_torch_distribution.launch.schedulers as schedulers
-from keras_torch_distribution.launch.record import CLUSTER_VARIABLE
-from keras_torch_distribution.launch.record import DEFAULT_PORT  # noqa: F401
-from keras_torch_distribution.launch.record import JOIN
-from keras_torch_distribution.launch.record import SINGLE
-from keras_torch_distribution.launch.record import SPAWN
-from keras_torch_distribution.launch.record import SPAWN_VARIABLE  # noqa: F401
-from keras_torch_distribution.launch.record import IncompleteEnvironmentError  # noqa: F401
-from keras_torch_distribution.launch.record import Launch
-from keras_torch_distribution.launch.record import Outside
-from keras_torch_distribution.launch.record import node_processes
-from keras_torch_distribution.launch.record import read_local_rank_or_none
-from keras_torch_distribution.launch.record import read_port_or_none
-from keras_torch_distribution.launch.record import read_whole
-from keras_torch_distribution.launch.record import shown
-from keras_torch_distribution.launch.record import spawn_setting  # noqa: F401
+import keras_torch_distribution._processes.schedulers as schedulers
+from keras_torch_distribution._processes.record import CLUSTER_VARIABLE
+from keras_torch_distribution._processes.record import DEFAULT_PORT  # noqa: F401
+from keras_torch_distribution._processes.record import JOIN
+from keras_torch_distribution._processes.record import SINGLE
+from keras_torch_distribution._processes.record import SPAWN
+from keras_torch_distribution._processes.record import SPAWN_VARIABLE  # noqa: F401
+from keras_torch_distribution._processes.record import (
+    IncompleteEnvironmentError,  # noqa: F401
+)
+from keras_torch_distribution._processes.record import Launch
+from keras_torch_distribution._processes.record import Outside
+from keras_torch_distribution._processes.record import node_processes
+from keras_torch_distribution._processes.record import read_local_rank_or_none
+from keras_torch_distribution._processes.record import read_port_or_none
+from keras_torch_distribution._processes.record import read_whole
+from keras_torch_distribution._processes.record import shown
+from keras_torch_distribution._processes.record import spawn_setting  # noqa: F401
 
 # The variables keras.distribution.initialize() reads for its arguments.
 KERAS_VARIABLES = (

@@ -10,23 +10,25 @@ but some are missing or disagree.
 import re
 import zlib
 
-import keras_torch_distribution.launch.hostlist as hostlist
-from keras_torch_distribution.launch.record import DEFAULT_PORT
-from keras_torch_distribution.launch.record import SINGLE
-from keras_torch_distribution.launch.record import SPAWN
-from keras_torch_distribution.launch.record import SPAWN_VARIABLE
-from keras_torch_distribution.launch.record import IncompleteEnvironmentError
-from keras_torch_distribution.launch.record import Launch
-from keras_torch_distribution.launch.record import join
-from keras_torch_distribution.launch.record import node_processes
-from keras_torch_distribution.launch.record import present
-from keras_torch_distribution.launch.record import read_local_rank
-from keras_torch_distribution.launch.record import read_local_rank_or_none
-from keras_torch_distribution.launch.record import read_port
-from keras_torch_distribution.launch.record import read_whole
-from keras_torch_distribution.launch.record import require
-from keras_torch_distribution.launch.record import shown
-from keras_torch_distribution.launch.record import spawn_setting
+import keras_torch_distribution._processes.hostlist as hostlist
+from keras_torch_distribution._processes.record import DEFAULT_PORT
+from keras_torch_distribution._processes.record import SINGLE
+from keras_torch_distribution._processes.record import SPAWN
+from keras_torch_distribution._processes.record import SPAWN_VARIABLE
+from keras_torch_distribution._processes.record import (
+    IncompleteEnvironmentError,
+)
+from keras_torch_distribution._processes.record import Launch
+from keras_torch_distribution._processes.record import join
+from keras_torch_distribution._processes.record import node_processes
+from keras_torch_distribution._processes.record import present
+from keras_torch_distribution._processes.record import read_local_rank
+from keras_torch_distribution._processes.record import read_local_rank_or_none
+from keras_torch_distribution._processes.record import read_port
+from keras_torch_distribution._processes.record import read_whole
+from keras_torch_distribution._processes.record import require
+from keras_torch_distribution._processes.record import shown
+from keras_torch_distribution._processes.record import spawn_setting
 
 # Ports derived from scheduler ids land in [61440, 65535], as JAX's do.
 _DERIVED_PORT_BASE, _DERIVED_PORT_SPAN = 61440, 4096

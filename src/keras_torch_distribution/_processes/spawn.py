@@ -31,9 +31,9 @@ import sys
 import threading
 import uuid
 
-import keras_torch_distribution.launch.environments as environments
+import keras_torch_distribution._processes.environments as environments
 from keras_torch_distribution import _env
-from keras_torch_distribution.launch.failures import failure_summary
+from keras_torch_distribution._processes.failures import failure_summary
 
 # The directory Python started in: the script's relative paths (its own
 # path in sys.argv[0] included) mean this, even if it changed directory

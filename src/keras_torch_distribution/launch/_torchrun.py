@@ -21,10 +21,10 @@ import signal
 import socket
 
 from keras_torch_distribution import _env
-from keras_torch_distribution.launch.failures import failure_summary
-from keras_torch_distribution.launch.spawn import PARENT_PID_VARIABLE
-from keras_torch_distribution.launch.spawn import handled_signals
-from keras_torch_distribution.launch.stuck_agent import Watch
+from keras_torch_distribution._processes.failures import failure_summary
+from keras_torch_distribution._processes.spawn import PARENT_PID_VARIABLE
+from keras_torch_distribution._processes.spawn import handled_signals
+from keras_torch_distribution.launch._stuck_agent import Watch
 
 _OWN_OPTIONS = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
 # Options that tell torchrun where the other nodes are: with any of them (or

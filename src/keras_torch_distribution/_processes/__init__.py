@@ -1,0 +1,31 @@
+"""This process joins its job: which launcher started it, the process
+group, seeds, and the hosts a failure lost. The bottom room of the package:
+it knows torch.distributed and the launchers' environments, not meshes,
+DTensors or models.
+
+Modules, bottom first (a module imports only those above it):
+
+- `agent_store`: a key space of its own for each start of the processes on
+  torchrun's store, which keeps the keys of earlier attempts.
+- `hostlist`: SLURM node lists ("rack[1-2]-node[01-04]") expanded.
+- `record`: the `Launch` record (what `initialize()` does here) and
+  readers of launcher variables whose errors name them.
+- `schedulers`: one function per launcher (torchrun, SLURM, MPI, LSF,
+  Kubeflow): its variables -> a Launch.
+- `environments`: `detect`, which tries them innermost launcher first, with
+  initialize()'s arguments winning; pure functions of the environment.
+- `interfaces`: the network interface gloo listens on where the host
+  name resolves to loopback in a job across hosts.
+- `failures`: the one line naming the process that failed first.
+- `spawn`: one process per local device through torch's elastic agent,
+  for `initialize()` in a script started without a launcher.
+- `seeds`: every process agrees on seeds.
+- `lost_hosts`: the hosts and ranks a failed collective lost, in one line.
+- `runtime`: torch.distributed's process group (started once), devices, rank
+  and world.
+
+`runtime` is the one place that starts a process group; it asks
+`environments` how and `spawn` to start the local processes.
+
+Nothing is re-exported: importing the package imports none of them.
+"""
