@@ -17,8 +17,7 @@ from keras_torch_distribution._install import install  # noqa: E402
 from keras_torch_distribution._install import is_installed  # noqa: E402
 from keras_torch_distribution._install import uninstall  # noqa: E402
 from keras_torch_distribution._keras import SUPPORTED_KERAS_TEXT  # noqa: E402
-from keras_torch_distribution._processes import runtime  # noqa: E402,F401
-from keras_torch_distribution._processes.runtime import initialize  # noqa: E402
+from keras_torch_distribution._processes.join import initialize  # noqa: E402
 from keras_torch_distribution._processes.runtime import num_processes  # noqa: E402
 from keras_torch_distribution._processes.runtime import process_id  # noqa: E402
 from keras_torch_distribution.preemption import Preempted  # noqa: E402

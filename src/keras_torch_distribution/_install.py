@@ -16,6 +16,7 @@ import keras
 from keras_torch_distribution import _keras
 from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import saving
+from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import adapter
 from keras_torch_distribution.batch import position
@@ -394,7 +395,7 @@ def exit_sequence():
     Collective: every rank exits through it.
     """
     _dcp.complete_at_exit()
-    runtime.shutdown()
+    join.shutdown()
     if not runtime.is_initialized():  # the meshes' groups are dead now
         layouts.torch_meshes.release_process_groups()
     _dcp.forget_process_groups()

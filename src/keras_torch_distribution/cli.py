@@ -96,11 +96,11 @@ def print_launch() -> int:
     """What keras.distribution.initialize() would do in this process (which
     launcher, address, port, world, rank, local rank), starting nothing.
     1 when the environment is incomplete (the error is printed)."""
-    from keras_torch_distribution._processes import runtime
+    from keras_torch_distribution._processes import join
 
     print("\ninitialize() here:")
     try:
-        launch = runtime.detect_launch()
+        launch = join.detect_launch()
     except (ValueError, RuntimeError) as error:
         print(f"  error: {error}")
         return 1

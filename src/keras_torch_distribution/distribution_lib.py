@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._processes import seeds
 from keras_torch_distribution.distributed import layouts
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
     from keras.distribution import TensorLayout
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-list_devices = runtime.list_devices
-get_device_count = runtime.get_device_count
+list_devices = join.list_devices
+get_device_count = join.get_device_count
 num_processes = runtime.num_processes
 process_id = runtime.process_id
 initialize_rng = seeds.initialize_rng
@@ -45,13 +46,13 @@ def initialize(
             comma-separated list of every process's, whose first is
             process 0's), or a torch init method such as
             `"file:///shared/rendezvous"`. `None` reads it from the
-            launcher's environment (see `runtime.initialize`).
+            launcher's environment (see `join.initialize`).
         num_processes: the number of processes of the job. `None` reads it
             from the launcher's environment.
         process_id: this process's rank in `[0, num_processes)`. `None`
             reads it from the launcher's environment.
     """
-    runtime.initialize(job_addresses, num_processes, process_id)
+    join.initialize(job_addresses, num_processes, process_id)
 
 
 def check_distribution(

@@ -166,7 +166,7 @@ def _where(launch):
                 "KUBERNETES_SERVICE_HOST": "10.0.0.1",
                 "PYTHONUNBUFFERED": "1",
             },
-            # No LOCAL_RANK: counted on the rendezvous store (runtime).
+            # No LOCAL_RANK: counted on the rendezvous store (rendezvous).
             ("generic", JOIN, "pj-master-0", 23456, 3, 1, None),
         ),
         (
@@ -311,7 +311,7 @@ def test_explicit_values_win_over_every_launcher():
 
 def test_an_explicit_launch_takes_local_rank_or_leaves_it_to_be_counted():
     """M2: no LOCAL_RANK is no local rank 0 (every process of a host would
-    take GPU 0): None, counted on the store by runtime; a given one is read
+    take GPU 0): None, counted on the store by rendezvous; a given one is read
     and a bad one refused."""
     given = dict(job_addresses="h:1", num_processes=4, process_id=3)
     assert detect({}, **given).local_rank is None

@@ -114,6 +114,7 @@ def test_initialize_uses_a_fresh_key_space_only_on_the_agents_store(
 ):
     """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the group is built
     on the store under this start's own prefix; elsewhere on the store."""
+    from keras_torch_distribution._processes import join
     from keras_torch_distribution._processes import runtime
 
     class Stop(RuntimeError):
@@ -138,7 +139,7 @@ def test_initialize_uses_a_fresh_key_space_only_on_the_agents_store(
     monkeypatch.setattr(runtime.dist, "init_process_group", init_process_group)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     with pytest.raises(RuntimeError):
-        runtime.initialize("10.0.0.1:1234", 2, 0)
+        join.initialize("10.0.0.1:1234", 2, 0)
     assert handed == [store]
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     member = threading.Thread(  # rank 1 of the same start
@@ -148,7 +149,7 @@ def test_initialize_uses_a_fresh_key_space_only_on_the_agents_store(
     )
     member.start()
     with pytest.raises(RuntimeError):
-        runtime.initialize("10.0.0.1:1234", 2, 0)
+        join.initialize("10.0.0.1:1234", 2, 0)
     member.join(10)
     assert isinstance(handed[1], dist.PrefixStore)
     assert store.check([agent_store.LEADER_KEY])

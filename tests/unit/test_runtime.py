@@ -16,6 +16,7 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from helpers import LAUNCHER_VARIABLES  # noqa: E402
+from keras_torch_distribution._processes import rendezvous  # noqa: E402
 from keras_torch_distribution._processes import runtime  # noqa: E402
 
 
@@ -33,15 +34,15 @@ def torch_start(monkeypatch):
     store = mock.Mock(name="store")
     calls = mock.Mock()
 
-    def rendezvous(url, rank, world_size, timeout):
+    def torch_rendezvous(url, rank, world_size, timeout):
         calls.rendezvous(url, rank, world_size, timeout=timeout)
         yield store, rank, world_size
 
     calls.init_process_group.side_effect = _Stop
-    monkeypatch.setattr(runtime.dist, "rendezvous", rendezvous)
+    monkeypatch.setattr(runtime.dist, "rendezvous", torch_rendezvous)
     # (tested in test_interfaces.py and tests/hosts)
-    monkeypatch.setattr(runtime.interfaces, "choose", lambda *args: None)
-    monkeypatch.setattr(runtime, "_remember_hosts", lambda *args: None)
+    monkeypatch.setattr(rendezvous.interfaces, "choose", lambda *args: None)
+    monkeypatch.setattr(rendezvous, "_remember_hosts", lambda *args: None)
     monkeypatch.setattr(
         runtime.dist, "init_process_group", calls.init_process_group
     )
@@ -179,7 +180,7 @@ def test_an_explicit_start_without_local_rank_counts_the_host_processes(
     store.add.return_value = 3  # two processes of this host came first
     keras.distribution.initialize("10.0.0.1:1234", 4, 1)
     store.add.assert_called_once_with(
-        f"ktd/local_rank/{runtime.socket.gethostname()}", 1
+        f"ktd/local_rank/{rendezvous.socket.gethostname()}", 1
     )
     calls.set_device.assert_called_once_with(2)
     assert calls.init_process_group.call_args.kwargs[
@@ -301,7 +302,7 @@ def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):
         ),
     ):
         keras.distribution.list_devices("cpu")
-    monkeypatch.setattr(layouts.runtime, "ensure_initialized", lambda: 1)
+    monkeypatch.setattr(layouts.join, "ensure_initialized", lambda: 1)
     mesh = keras.distribution.DeviceMesh((1,), ["batch"], ["cpu:0"])
     with pytest.raises(
         ValueError,
@@ -319,7 +320,7 @@ def test_gpu_devices_under_ktd_device_cpu_are_refused(
     monkeypatch.setenv("KTD_DEVICE", "cpu")
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)
     assert keras.distribution.list_devices("gpu") == []
-    monkeypatch.setattr(layouts.runtime, "ensure_initialized", lambda: 1)
+    monkeypatch.setattr(layouts.join, "ensure_initialized", lambda: 1)
     mesh = keras.distribution.DeviceMesh((1,), ["batch"], ["gpu:0"])
     with pytest.raises(
         ValueError,

@@ -18,6 +18,8 @@ import pytest  # noqa: E402
 
 from helpers import LAUNCHER_VARIABLES  # noqa: E402
 from keras_torch_distribution._processes import environments  # noqa: E402
+from keras_torch_distribution._processes import join  # noqa: E402
+from keras_torch_distribution._processes import rendezvous  # noqa: E402
 from keras_torch_distribution._processes import runtime  # noqa: E402
 from keras_torch_distribution._processes import spawn  # noqa: E402
 
@@ -49,7 +51,7 @@ def machine(monkeypatch):
     calls.init_process_group.side_effect = _Started
     monkeypatch.setattr(spawn, "start_processes", calls.start_processes)
     monkeypatch.setattr(
-        runtime, "_init_process_group", calls.init_process_group
+        rendezvous, "_init_process_group", calls.init_process_group
     )
     return calls
 
@@ -132,7 +134,7 @@ def test_first_use_never_starts_processes(machine, caplog):
     one process, with the warning; asked-for processes are an error."""
     with caplog.at_level(logging.WARNING, logger="keras_torch_distribution"):
         with pytest.raises(_Started):
-            runtime.ensure_initialized("a DeviceMesh")
+            join.ensure_initialized("a DeviceMesh")
     machine.start_processes.assert_not_called()
     (warning,) = [
         r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
@@ -155,7 +157,7 @@ def test_first_use_never_starts_processes(machine, caplog):
                 r"first use"
             ),
         ):
-            runtime.ensure_initialized("list_devices()")
+            join.ensure_initialized("list_devices()")
     finally:
         del os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"]
 

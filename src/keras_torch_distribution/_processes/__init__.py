@@ -21,10 +21,15 @@ Modules, bottom first (a module imports only those above it):
   for `initialize()` in a script started without a launcher.
 - `seeds`: every process agrees on seeds.
 - `lost_hosts`: the hosts and ranks a failed collective lost, in one line.
-- `runtime`: torch.distributed's process group (started once), devices, rank
-  and world.
+- `runtime`: this process in its job, starting nothing: whether a group
+  runs, rank and world, devices, the group for CPU tensors, timeouts.
+- `rendezvous`: the process group started: torch's rendezvous bounded in
+  time, `init_process_group`, the hosts remembered, the start-failure
+  message.
+- `join`: `initialize()` (detect, spawn or fall back, start, seed),
+  `ensure_initialized`, `list_devices`, `shutdown`.
 
-`runtime` is the one place that starts a process group; it asks
+`join` is the one place that starts a process group; it asks
 `environments` how and `spawn` to start the local processes.
 
 Nothing is re-exported: importing the package imports none of them.

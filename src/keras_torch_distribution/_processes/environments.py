@@ -129,7 +129,7 @@ def _explicit(env, job_addresses, num_processes, process_id):
         )
     _check_rank(num_processes, process_id)
     url = coordinator_url(job_addresses)
-    # Without LOCAL_RANK, runtime counts the processes of each host on the
+    # Without LOCAL_RANK, rendezvous counts the processes of each host on the
     # store: taking 0 would put every process of a host on GPU 0.
     local = (
         read_local_rank_or_none(env, "LOCAL_RANK") if num_processes > 1 else 0

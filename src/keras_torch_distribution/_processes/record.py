@@ -41,7 +41,7 @@ class Launch:
     world: the number of processes of the job.
     rank / local_rank: this process's (JOIN); None under SPAWN. A JOIN's
         local_rank is None where the launch does not say it (no LOCAL_RANK):
-        `runtime` counts it on the rendezvous store.
+        `rendezvous` counts it on the rendezvous store.
     address / port: process 0's host and port (under SPAWN on several
         nodes, node 0's rendezvous); None where torch reads them itself.
     init_method: what torch's rendezvous is given (JOIN).
@@ -210,7 +210,7 @@ def read_local_rank(env: Mapping[str, str], name: str) -> int:
 def read_local_rank_or_none(env: Mapping[str, str], name: str) -> int | None:
     """`name` as a local rank, or None when it is unset: a launch that
     says nothing about the processes of a host (an explicit initialize(),
-    a MASTER_ADDR / WORLD_SIZE / RANK launch), whose local rank `runtime`
+    a MASTER_ADDR / WORLD_SIZE / RANK launch), whose local rank `rendezvous`
     then counts on the rendezvous store (so that the processes of one host
     never all pick GPU 0)."""
     return read_whole(env, name, minimum=0) if env.get(name) else None

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
+from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.log import warn_once
 
@@ -105,7 +106,7 @@ def to_torch_mesh(keras_mesh: DeviceMesh) -> TorchDeviceMesh:
     Collective (the first time a configuration is seen): call on every rank.
     """
     key = mesh_key(keras_mesh)
-    world = runtime.ensure_initialized()
+    world = join.ensure_initialized()
     world_group = dist.group.WORLD
     cached = torch_meshes.get(key, world_group)
     if cached is not None:

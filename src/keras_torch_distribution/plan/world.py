@@ -11,6 +11,8 @@ import os
 
 import torch.distributed as dist
 
+from keras_torch_distribution._processes import join
+from keras_torch_distribution._processes import rendezvous
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._processes import seeds
 
@@ -46,13 +48,13 @@ def simulated(world):
     os.environ["KTD_DEVICE"] = "cpu"
     os.environ.setdefault("KERAS_BACKEND", "torch")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    runtime.started.group = dist.group.WORLD
+    rendezvous.started.group = dist.group.WORLD
     try:
         runtime.keep_keras_on_cpu()
         seeds.initialize_rng(runtime.cpu_group())
         yield world
     finally:
-        runtime.shutdown()
+        join.shutdown()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
