@@ -57,7 +57,7 @@ Every case is launched in two kinds of fresh processes; per rank:
       one more step on the global batch (Keras: metrics reset first, so not
       the epoch's running mean; torch: the ranks' losses averaged). And
       the collectives the rank issues in one more step, by kind
-      (keras_torch_distribution.distributed.collective_counts: all-gathers,
+      (keras_torch_distribution.plan._collective_counts: all-gathers,
       reduce-scatters, all-reduces, whatever issues them: FSDP, tensor
       parallelism, gradient and metric sync).
   memory launches (MALLOC_MMAP_THRESHOLD_=1048576: every allocation
@@ -162,7 +162,7 @@ def _measure(step, barrier, phase, steps, warmup, memory_steps):
     memory phase's allocator)."""
     import time
 
-    from keras_torch_distribution.distributed import collective_counts
+    from keras_torch_distribution.plan import _collective_counts
 
     _launch.time_steps(step, warmup, 0, barrier)
     if phase == "time":
@@ -173,7 +173,7 @@ def _measure(step, barrier, phase, steps, warmup, memory_steps):
         result["cpu_ms_per_step"] = (
             1e3 * (time.process_time() - cpu_started) / steps
         )
-        with collective_counts.counting() as counts:
+        with _collective_counts.counting() as counts:
             step()
         result["collectives_per_step"] = counts
         if os.environ.get("BENCH_PROFILE"):

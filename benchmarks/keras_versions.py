@@ -14,7 +14,7 @@ global batch 128, gloo, CPU, one thread per process. Cases:
                 every kernel ("model", None): FSDP (64 rows per rank)
 Per case and rank: one fit step, `warmup` untimed steps of
 model.train_function on prebuilt per-rank batches, the median of `steps`
-timed ones, the collectives one more step issues (collective_counts), the
+timed ones, the collectives one more step issues (_collective_counts), the
 loss of one evaluate on the global batch afterwards (the same on every
 Keras if the numbers are), and whether Keras wrapped the model in DDP.
 Rank 0 prints one JSON line per case. `--native-ddp` (Keras 3.16 only)
@@ -63,7 +63,7 @@ def run_case(case, steps, warmup):
     import numpy as np
     import torch.distributed as torch_dist
 
-    from keras_torch_distribution.distributed import collective_counts
+    from keras_torch_distribution.plan import _collective_counts
 
     rank = torch_dist.get_rank()
     distribution, replicas = _distribution(
@@ -99,7 +99,7 @@ def run_case(case, steps, warmup):
         begin = time.perf_counter()
         model.train_function(batch)
         times.append(time.perf_counter() - begin)
-    with collective_counts.counting() as counts:
+    with _collective_counts.counting() as counts:
         model.train_function(batch)
     loss = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
     ddp = getattr(model, "ddp_model", None) is not None

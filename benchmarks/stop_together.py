@@ -3,7 +3,7 @@
     python benchmarks/stop_together.py [--steps 40] [--repeats 3]
 
 On several processes `fit` gets `StopTogether` as its last callback
-(`stopping.py`): after every batch the ranks agree on
+(`distributed/agreement.py`): after every batch the ranks agree on
 `model.stop_training` in one all-reduce of one int32 flag per rank. This
 measures it on 2 processes, DataParallel, the 1024 -> 4 x Dense(1024) MLP of
 data_parallel.py (Adam, MSE, global batch 256), in `fit` itself (data
@@ -38,13 +38,13 @@ def _worker(case, steps):
     import torch
     import torch.distributed as dist
 
-    from keras_torch_distribution.distributed import stopping
+    from keras_torch_distribution.distributed import agreement
 
     torch.set_num_threads(1)
     keras.distribution.initialize()
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     if case == "without":
-        stopping.StopTogether._agree = lambda self, where: None
+        agreement.StopTogether._agree = lambda self, where: None
     inputs = keras.Input((WIDTH,))
     h = inputs
     for _ in range(LAYERS):

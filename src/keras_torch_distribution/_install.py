@@ -14,8 +14,9 @@ import warnings
 import keras
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import distribution_lib
 from keras_torch_distribution import saving
+from keras_torch_distribution._backend import distribution_lib
+from keras_torch_distribution._backend import keras_ops
 from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import adapter
@@ -24,7 +25,6 @@ from keras_torch_distribution.batch import random_slices
 from keras_torch_distribution.batch import sync_batch_norm
 from keras_torch_distribution.checkpoint import _dcp
 from keras_torch_distribution.checkpoint import callbacks
-from keras_torch_distribution.distributed import keras_ops
 from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.distributed import sharding_rules

@@ -1,9 +1,9 @@
 """A process group the application started without a CPU backend (as
 `init_process_group("nccl")` is on a GPU machine): the package's own
-collectives on CPU tensors -- ranks agreeing before fit (`agreement`),
-stopping together (`stopping`), the shared shuffle's generator state
-(`batch.adapter`), the checkpoint files' agreement and barriers
-(`checkpoint._files`) -- run on a gloo side group (`runtime.cpu_group()`).
+collectives on CPU tensors -- ranks agreeing before fit, stopping
+together, the checkpoint files' agreement and barriers (all `agreement`),
+the shared shuffle's generator state (`batch.adapter`) -- run on a gloo
+side group (`runtime.cpu_group()`).
 
 On this CPU machine the group is "cuda:gloo": gloo for CUDA tensors only,
 so a CPU tensor on it fails exactly as on an NCCL-only group ("No backend
@@ -30,9 +30,7 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
 
     from keras_torch_distribution._processes import runtime
     from keras_torch_distribution.batch import adapter
-    from keras_torch_distribution.checkpoint import _files
     from keras_torch_distribution.distributed import agreement
-    from keras_torch_distribution.distributed import stopping
 
     rank = rank_by_pid[os.getpid()]
     dist.init_process_group(
@@ -47,7 +45,7 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
             result["world_refuses_cpu"] = str(error)
         result["side_group_is_world"] = runtime.cpu_group() is dist.group.WORLD
         result["side_group_again"] = runtime.cpu_group() is runtime.cpu_group()
-        result["stopping"] = stopping.ranks_with_flag(rank == 1)
+        result["stopping"] = agreement.ranks_with_flag(rank == 1)
         result["agreed"] = len(agreement.compare("fit()", [("x", "same")]))
         try:
             agreement.compare("fit()", [("x", f"rank {rank}")])
@@ -58,8 +56,8 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
         # ... until rank 0's is shared
         adapter._same_torch_generator_everywhere()
         result["shuffle_draw"] = torch.rand(3).tolist()
-        result["files_agree"] = _files.agree(lambda: rank)
-        _files.barrier()
+        result["files_agree"] = agreement.agree(lambda: rank)
+        agreement.barrier()
         return result
     finally:
         runtime.cpu_group()  # made by now; destroyed with the world below

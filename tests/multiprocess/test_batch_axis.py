@@ -407,11 +407,11 @@ def _disagreeing_fit(what):
     )
     model = _model()
     if what == "agree":
-        from keras_torch_distribution.distributed import agreement
+        from keras_torch_distribution.training import call_agreement
 
         start = time.perf_counter()
         for _ in range(20):
-            agreement.check("fit", model, (x, y), {"batch_size": 8})
+            call_agreement.check("fit", model, (x, y), {"batch_size": 8})
         return (time.perf_counter() - start) / 20
     if what == "rows":
         x, y = x[: 64 - 6 * rank], y[: 64 - 6 * rank]

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from keras_torch_distribution import testing  # noqa: E402
-from keras_torch_distribution.distributed import collective_counts  # noqa: E402
+from keras_torch_distribution.plan import _collective_counts  # noqa: E402
 
 GLOBAL_BATCH, ROWS = 16, 64
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -90,7 +90,7 @@ def _train(distributed, policy="block", prefetch="1", metrics=None):
             model.make_train_function()
             batch = [(torch.as_tensor(x[rows]), torch.as_tensor(y[rows]))]
             model.train_function(batch)  # records the order of the groups
-            with collective_counts.counting() as counts:
+            with _collective_counts.counting() as counts:
                 model.train_function(batch)
             result["counts"] = counts
         return result
@@ -200,7 +200,7 @@ def _count_one_step(layers):
     model.make_train_function()
     model.train_function([(x, y)])  # builds Adam; records the group order
     model.train_function([(x, y)])
-    with collective_counts.counting() as counts:
+    with _collective_counts.counting() as counts:
         model.train_function([(x, y)])
     return counts
 
@@ -267,7 +267,7 @@ def _llama_output_projection_sharded(distributed, layers=2):
     model.make_train_function()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with collective_counts.counting() as counts, _AtenOps() as ops:
+        with _collective_counts.counting() as counts, _AtenOps() as ops:
             model.train_function(batch)
     result["counts"] = counts
     result["ops"] = ops.seen

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from keras_torch_distribution import testing  # noqa: E402
-from keras_torch_distribution.distributed import collective_counts  # noqa: E402
+from keras_torch_distribution.plan import _collective_counts  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,8 @@ RULES = {  # on a 1-D ("model",) mesh the one axis is the batch axis: FSDP
 }
 
 
-class _Collectives(collective_counts._Counter):
-    """Counts as collective_counts does, and records (kind, dtype, bytes)
+class _Collectives(_collective_counts._Counter):
+    """Counts as _collective_counts does, and records (kind, dtype, bytes)
     of the tensors each collective carries."""
 
     def __init__(self):
@@ -45,10 +45,10 @@ class _Collectives(collective_counts._Counter):
         if (
             not isinstance(func, torch._ops.HigherOrderOperator)
             and not any(t is torch.distributed.tensor.DTensor for t in types)
-            and func.namespace in collective_counts._NAMESPACES
+            and func.namespace in _collective_counts._NAMESPACES
         ):
             name = func._overloadpacket._qualified_op_name.split("::")[-1]
-            kind = collective_counts._KIND_OF.get(name)
+            kind = _collective_counts._KIND_OF.get(name)
             if kind in ("all_gather", "reduce_scatter"):
                 leaves = [
                     t

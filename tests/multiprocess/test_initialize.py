@@ -75,7 +75,7 @@ def _initialize_explicit(job_addresses, world, rank_by_pid=None):
     import numpy as np
     import torch.distributed as dist
 
-    from keras_torch_distribution import distribution_lib
+    from keras_torch_distribution._backend import distribution_lib
 
     rank = rank_by_pid[os.getpid()]
     _forget_seeds()

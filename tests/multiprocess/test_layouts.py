@@ -32,7 +32,7 @@ def _layout_cases(mesh_shape, axis_names, cases, devices=None):
     import torch
     from torch.distributed.tensor import distribute_tensor
 
-    from keras_torch_distribution import distribution_lib
+    from keras_torch_distribution._backend import distribution_lib
     from keras_torch_distribution.distributed import layouts
 
     mesh = keras.distribution.DeviceMesh(

@@ -25,7 +25,7 @@ def _devices_and_ranks():
     import keras
     import torch.distributed as dist
 
-    from keras_torch_distribution import distribution_lib
+    from keras_torch_distribution._backend import distribution_lib
 
     dp = keras.distribution.DataParallel()
     return {

@@ -2,7 +2,7 @@
 simulated world of 2 and 4 equal those each rank of a real 2- and
 4-process run of the same script holds after a training step, the
 collectives it counts in its simulated step equal those
-`collective_counts` counts in a real step (the second, as the plan counts
+`plan._collective_counts` counts in a real step (the second, as the plan counts
 its second run of the first step), and under FSDP the gathered weights it
 measures (`plan.gathered`: held at once, largest gather) equal those each
 real rank measures in its step, at the prefetch depth the plan simulates
@@ -98,8 +98,8 @@ def _real(script, args):
 
     import keras
 
-    from keras_torch_distribution.distributed import collective_counts
     from keras_torch_distribution.distributed import tensors
+    from keras_torch_distribution.plan import _collective_counts
     from keras_torch_distribution.plan import gathered
 
     os.environ["KTD_FSDP_PREFETCH"] = "1"
@@ -120,7 +120,7 @@ def _real(script, args):
                     return original(data)
                 names = gathered.batch_group_names(model.variables)
                 with (
-                    collective_counts.tally() as tally,
+                    _collective_counts.tally() as tally,
                     gathered.tracking(names) as held,
                 ):
                     logs = original(data)

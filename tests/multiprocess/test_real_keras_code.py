@@ -240,7 +240,7 @@ def small_things():
     import torch
     from torch.distributed.tensor import DTensor
 
-    from keras_torch_distribution import distribution_lib
+    from keras_torch_distribution._backend import distribution_lib
 
     out = {}
     devices = keras.distribution.list_devices()

@@ -205,3 +205,34 @@ def test_variable_created_outside_the_distribution_warns_once(one_process):
             "distribution.scope()."
         )
     ], messages
+
+
+def test_a_step_error_that_cannot_cross_processes_is_sent_as_its_text():
+    """`agreement.gather` sends each rank's error to the others; one that
+    does not survive pickling goes as a RankFailedError with its type and
+    text (which does), and the failing rank raises its own."""
+    import pickle
+
+    from keras_torch_distribution.distributed import agreement
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("cannot pickle")
+
+    sent = agreement._portable(Unpicklable("disk on fire"))
+    assert isinstance(sent, agreement.RankFailedError)
+    assert str(sent) == "on rank 0: Unpicklable: disk on fire"
+    again = pickle.loads(pickle.dumps(sent))
+    assert (type(again), str(again), again.rank) == (
+        agreement.RankFailedError,
+        str(sent),
+        0,
+    )
+    picklable = ValueError("fine")
+    assert agreement._portable(picklable) is picklable
+
+    def fails():
+        raise Unpicklable("disk on fire")
+
+    with pytest.raises(Unpicklable):
+        agreement.gather(fails)

@@ -31,7 +31,7 @@ LAYERS = [
     "distributed",  # meshes, DTensors
     "fsdp",
     "variables",  # born sharded
-    "distribution_lib",  # the backend module keras.distribution calls
+    "_backend",  # the torch backend as Keras calls it (distribution_lib)
     "saving",
     "batch",
     "checkpoint",

@@ -23,8 +23,8 @@ import torch.distributed
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution._processes import runtime
+from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import stopping
 from keras_torch_distribution.log import warn_once
 
 
@@ -157,9 +157,9 @@ def _rows(batch):
 
 def _together(batches, adapter):
     """Batches whose number nobody knows end at the same step on every rank
-    (`stopping.ends_together`); `iter()` is called at once."""
+    (`agreement.ends_together`); `iter()` is called at once."""
     if adapter.num_batches is None:
-        return stopping.ends_together(iter(batches))
+        return agreement.ends_together(iter(batches))
     return batches
 
 

@@ -52,6 +52,7 @@ from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
+from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.log import logger
 
 if TYPE_CHECKING:
@@ -815,7 +816,7 @@ def load(
         _files.check_sizes(directory, marker)
         return directory, marker, read_metadata(directory, marker)
 
-    directory, marker, metadata = _files.agree(check)
+    directory, marker, metadata = agreement.agree(check)
     if not _files.file_entries(marker):
         logger.warning(
             "%s was written before checkpoints carried checksums "

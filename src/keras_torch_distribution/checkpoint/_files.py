@@ -34,7 +34,6 @@ half-removed checkpoint never looks complete.
 
 import json
 import os
-import pickle
 import secrets
 import shutil
 import socket
@@ -43,11 +42,11 @@ import zlib
 import torch.distributed as dist
 
 from keras_torch_distribution._processes import runtime
-from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
 from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
+from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.log import logger
 
 FORMAT = "keras_torch_distribution.checkpoint"
@@ -339,65 +338,8 @@ def problems(directory, marker):
 
 
 # ---------------------------------------------------------------------------
-# Collective steps.
+# Collective steps of a save (each an `agreement` step).
 # ---------------------------------------------------------------------------
-
-
-def barrier(group=None):
-    """Every rank waits for the others, on `group` (default: the group for
-    CPU tensors, `runtime.cpu_group()`, which needs no current GPU).
-    Collective: call on every rank."""
-    if runtime.is_multi_process():
-        dist.barrier(group=group or runtime.cpu_group())
-
-
-def agree(step, group=None):
-    """Run `step()` on every rank; if it raised on any rank, raise on every
-    rank (the first failing rank's error), so that no rank goes on into a
-    collective the others left. Returns this rank's result.
-    Collective: call on every rank."""
-    results = []
-    gather(lambda: results.append(step()), group)
-    return results[0]
-
-
-def gather(step, group=None):
-    """Every rank's result of `step()` (a list indexed by rank); if it
-    raised on any rank, the first failing rank's error is raised on every
-    rank. Collective: call on every rank."""
-    result, error = None, None
-    try:
-        result = step()
-    except Exception as caught:  # re-raised below, on every rank
-        error = caught
-    mine = (result, _portable(error))
-    everyone = [mine]
-    if runtime.is_multi_process():
-        group = group or runtime.cpu_group()
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-    first = next((e for _, e in everyone if e is not None), None)
-    if error is not None:
-        raise error
-    if first is not None:
-        raise first
-    return [theirs for theirs, _ in everyone]
-
-
-def _portable(error):
-    """`error` if it survives pickling, else a CheckpointReadError with its
-    text (what another rank can raise)."""
-    if error is None:
-        return None
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:  # an exception type that cannot cross processes
-        return CheckpointReadError(
-            f"on rank {runtime.process_id()}: {type(error).__name__}: {error}",
-            None,
-            runtime.process_id(),
-        )
-    return error
 
 
 def _cannot_write(path, error):
@@ -435,7 +377,7 @@ def prepare_directory(path, group=None):
         except OSError as error:
             raise _cannot_write(path, error) from error
 
-    agree(make_temporary, group)
+    agreement.agree(make_temporary, group)
 
 
 def discard_incomplete(path, group=None):
@@ -454,7 +396,7 @@ def discard_incomplete(path, group=None):
                 temporary,
                 error,
             )
-    barrier(group)
+    agreement.barrier(group)
 
 
 def finish(path, marker, written, group=None):
@@ -475,7 +417,7 @@ def finish(path, marker, written, group=None):
                 mine["metadata"] = f.read()
         return mine
 
-    everyone = gather(files_of_this_rank, group)
+    everyone = agreement.gather(files_of_this_rank, group)
 
     def complete():
         if not leads(groups):
@@ -497,7 +439,7 @@ def finish(path, marker, written, group=None):
         except OSError as error:
             raise _cannot_write(path, error) from error
 
-    agree(complete, group)
+    agreement.agree(complete, group)
 
 
 # ---------------------------------------------------------------------------
@@ -583,7 +525,7 @@ def _probe_storage(folder, group):
         return socket.gethostname(), token
 
     # Every probe is written before any is read, and every token is known.
-    written = gather(write_probe, group)
+    written = agreement.gather(write_probe, group)
     hosts = [host for host, _ in written]
 
     def sees(other):
@@ -610,7 +552,7 @@ def _probe_storage(folder, group):
             }
         return sorted(other for other in wanted if sees(other))
 
-    seen = gather(read_probes, group)
+    seen = agreement.gather(read_probes, group)
     try:
         os.remove(probe)
     except OSError as error:

@@ -16,6 +16,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import position
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
+from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.log import logger
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
@@ -68,7 +69,7 @@ def tidy(directory: str, max_to_keep: int | None = None) -> None:
     barriers.
     Collective: call on every rank."""
     groups = _files.storage_groups(directory)
-    _files.barrier()
+    agreement.barrier()
     if _files.leads(groups) and os.path.isdir(directory):
         steps = _steps(directory)
         for step in sorted(steps):
@@ -77,7 +78,7 @@ def tidy(directory: str, max_to_keep: int | None = None) -> None:
         if max_to_keep is not None:
             for step in complete[:-max_to_keep]:
                 _files.remove_checkpoint(steps[step])
-    _files.barrier()
+    agreement.barrier()
 
 
 class ShardedCheckpoint(keras.callbacks.Callback):
@@ -293,7 +294,7 @@ def write_backup(callback) -> str:
                 if os.path.exists(previous):
                     _files.remove_checkpoint(previous)
                 _files.rename(latest_path, previous)
-    _files.barrier()
+    agreement.barrier()
     epoch, batch = _keras.backup_position(callback)
     extra = {"epoch": epoch, "batch": batch}
     _add_position(extra)
@@ -338,9 +339,9 @@ def backup_train_end(original, callback, logs=None):
         return original(callback, logs)
     if callback.delete_checkpoint:
         groups = _files.storage_groups(callback.backup_dir)
-        _files.barrier()
+        agreement.barrier()
         if _files.leads(groups) and os.path.exists(callback.backup_dir):
             shutil.rmtree(callback.backup_dir)
         _files.forget_storage(callback.backup_dir)
-        _files.barrier()
+        agreement.barrier()
     return None

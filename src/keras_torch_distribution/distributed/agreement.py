@@ -1,182 +1,62 @@
-"""Ranks agree before they train: one small all-gather names what differs.
+"""What ranks agree on: that they do the same thing, when they stop, and
+that a step succeeded on every rank.
 
-Ranks that run different programs (a rank-dependent LayoutMap or model,
-per-process inputs of different lengths, other batch sizes or epochs) used
-to end in a gloo "collective mismatch" abort or, worse, train silently on
-inconsistent rows. At the start of `fit` / `evaluate` / `predict` under a
-distribution on several processes, every rank describes what must match --
-the call, its arguments, the input's rows, the distribution and mesh, and
-every variable's path, shape, dtype and layout -- and the ranks compare a
-digest of it in one all-gather of a few bytes. Only when digests differ is
-the description gathered, and every rank raises the same error naming the
-first difference and the ranks on each side.
+Each rank runs its own copy of Keras' program, and every collective must be
+met by every rank. Here, the three ways ranks agree before they go on:
 
-The same all-gather (`compare`) starts the broadcast that makes a build's
-copies equal (`copies`), with what is being done in it: a rank that builds
-a model the others do not build meets their fit / evaluate / predict, or
-their build of another model, and every rank raises an error naming what
-each side was doing, instead of waiting forever in a broadcast.
+- `compare`: ranks that run different programs (a rank-dependent LayoutMap
+  or model, per-process inputs of different lengths, other batch sizes or
+  epochs) used to end in a gloo "collective mismatch" abort or, worse,
+  train silently on inconsistent rows. Every rank describes what must
+  match as (name, text) pairs, and the ranks compare a digest of it in one
+  all-gather of a few bytes. Only when digests differ is the description
+  gathered, and every rank raises the same `RanksDisagreeError` naming the
+  first difference and the ranks on each side. `training.call_agreement`
+  describes a fit / evaluate / predict call this way; the same all-gather
+  starts the broadcast that makes a build's copies equal
+  (`variables.copies`), with what is being done in it: a rank that builds
+  a model the others do not build meets their fit / evaluate / predict, or
+  their build of another model, and every rank raises an error naming what
+  each side was doing, instead of waiting forever in a broadcast.
+- Stopping together: when one rank stops training or runs out of data,
+  every rank stops at the same step. A callback that sets
+  `model.stop_training` on one rank only (a wall-clock limit, a custom
+  early stop) or per-process inputs of unknown length that end at
+  different steps used to leave one rank in a collective the others had
+  left. `StopTogether`, the last callback of `fit` on several processes,
+  agrees on `model.stop_training` after every batch and every epoch, where
+  Keras' loop reads it: one all-reduce of one integer per rank (the flag,
+  and what a subclass adds: `preemption` sends the signal a rank
+  received). When some ranks set it, every rank stops there (as one
+  process would have) and says which ranks stopped. `ends_together(batches)`
+  yields a batch only when every rank has one: per-process inputs of
+  unknown length (Python generators, iterable datasets) end on every rank
+  at the step where the first one ended, and every rank says which ranks
+  ran out.
+- Collective steps (`barrier`, `agree`, `gather`): every rank runs a step;
+  if it raised on any rank, every rank raises (the first failing rank's
+  error), so that no rank goes on into a collective the others left
+  (checkpoints' files, preemption's backups).
+
+Everything here travels in CPU tensors or objects on `runtime.cpu_group()`
+(gloo also where NCCL carries the training collectives, and where the
+application started an NCCL-only group).
 """
 
 import hashlib
+import pickle
 
 import keras
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from keras_torch_distribution import _keras
 from keras_torch_distribution._processes import runtime
-from keras_torch_distribution.distributed import layouts
 from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.log import warn_once
-
-# Rows of an input sampled (evenly spaced) for its digest: enough to tell
-# one process's part of a dataset from another's, cheap for any size.
-_SAMPLED_ROWS = 64
+from keras_torch_distribution.log import warn_on_every_rank
 
 
 class RanksDisagreeError(RuntimeError):
     """Ranks called fit / evaluate / predict with different programs."""
-
-
-def _rows(value):
-    """Rows of an array-like input (its first leaf), else a type name."""
-    if value is None:
-        return None
-    leaves = [t for t in keras.tree.flatten(value) if t is not None]
-    if leaves and hasattr(leaves[0], "shape") and len(leaves[0].shape):
-        return int(leaves[0].shape[0])
-    return type(value).__name__
-
-
-def describe(method, model, args, kwargs):
-    """What must be the same on every rank, as (name, text) pairs."""
-    distribution = _keras.current_distribution()
-    x = args[0] if args else kwargs.get("x")
-    y = args[1] if len(args) > 1 else kwargs.get("y")
-    settings = {
-        k: v
-        for k, v in kwargs.items()
-        if k
-        in (
-            "batch_size",
-            "epochs",
-            "steps_per_epoch",
-            "steps",
-            "initial_epoch",
-            "validation_split",
-            "validation_steps",
-            "validation_batch_size",
-            "validation_freq",
-            "shuffle",
-        )
-    }
-    items = [
-        ("call", method),
-        ("arguments", repr(sorted(settings.items()))),
-        ("rows of x", repr(_rows(x))),
-        ("rows of y", repr(_rows(y))),
-        ("distribution", type(distribution).__name__),
-        ("mesh", _mesh_text(distribution)),
-        ("batch axis", repr(getattr(distribution, "batch_dim_name", None))),
-    ]
-    return items + variable_items(model.variables)
-
-
-def variable_items(variables):
-    """Each variable's path, shape, dtype and layout, as (name, text) pairs."""
-    items = []
-    for variable in variables:
-        layout = layouts.resolved_layout(variable)
-        axes = tuple(layout.axes) if layout is not None else None
-        items.append(
-            (
-                f"variable {variable.path}",
-                f"{tuple(variable.shape)} {variable.dtype} {axes}",
-            )
-        )
-    return items
-
-
-def _mesh_text(distribution):
-    mesh = getattr(distribution, "device_mesh", None)
-    if mesh is None:
-        return "None"
-    return f"{tuple(mesh.shape)} {list(mesh.axis_names)}"
-
-
-def input_digest(x):
-    """A digest of the rows of an array input (numpy arrays, tensors, and
-    dicts / lists / tuples of them), from evenly spaced sampled rows and the
-    shapes; None for other inputs (generators, datasets)."""
-    leaves = (
-        [t for t in keras.tree.flatten(x) if t is not None]
-        if x is not None
-        else []
-    )
-    if not leaves or not all(
-        hasattr(t, "shape") and len(t.shape) for t in leaves
-    ):
-        return None
-    if not all(isinstance(t, np.ndarray) or torch.is_tensor(t) for t in leaves):
-        return None
-    digest = hashlib.sha256()
-    for leaf in leaves:
-        rows = int(leaf.shape[0])
-        picked = np.unique(
-            np.linspace(0, rows - 1, min(rows, _SAMPLED_ROWS)).astype(int)
-        )
-        if torch.is_tensor(leaf):
-            picked = torch.as_tensor(picked)
-        sample = np.ascontiguousarray(_keras.convert_to_numpy(leaf[picked]))
-        digest.update(repr((tuple(leaf.shape), sample.dtype.str)).encode())
-        digest.update(sample.tobytes())
-    return digest.hexdigest()[:16]
-
-
-def _warn_if_replicas_repeat(method, gathered):
-    """Per-process inputs (auto_shard_dataset=False) are each replica's part
-    of the global batch: when every replica passes the same rows, warn."""
-    group = replicas.current()
-    if (
-        not group.is_distributed
-        or _keras.current_distribution().auto_shard_dataset
-    ):
-        return
-    by_replica = {index: data for _, _, data, index in gathered}
-    digests = set(by_replica.values())
-    if len(by_replica) > 1 and 0 not in digests and len(digests) == 1:
-        warn_once(
-            ("replicas-repeat-input", method, digests.pop()),
-            "%s(): every one of the %d data-parallel replicas passed the same "
-            "rows (auto_shard_dataset=False makes each process's input its "
-            "replica's part of the global batch), so every row is used %d "
-            "times per step and the numbers differ from one process on that "
-            "data. Pass each process its part (e.g. x[replica::%d], one "
-            "replica per coordinate of the mesh's batch axis), or leave "
-            "auto_shard_dataset=True and pass the whole data on every process.",
-            method,
-            group.count,
-            group.count,
-            group.count,
-        )
-
-
-def check(method, model, args, kwargs):
-    """Raise RanksDisagreeError on every rank when the ranks' descriptions of
-    this call differ. Under per-process inputs, warn when every replica
-    passes the same rows. One small all-gather. Collective: call on every
-    rank."""
-    distribution = _keras.current_distribution()
-    if distribution is None or not runtime.is_multi_process():
-        return
-    x = args[0] if args else kwargs.get("x")
-    data = None if distribution.auto_shard_dataset else input_digest(x)
-    gathered = compare(
-        f"{method}()", describe(method, model, args, kwargs), data
-    )
-    _warn_if_replicas_repeat(method, gathered)
 
 
 def compare(doing, items, data=None):
@@ -268,3 +148,175 @@ def first_difference(descriptions, doing):
             "differing value the same on every rank."
         )
     return f"{doing} differs between ranks, but no single item shows how."
+
+
+# ---------------------------------------------------------------------------
+# Ranks that stop together.
+# ---------------------------------------------------------------------------
+
+
+def codes_of_ranks(code):
+    """Every rank's integer `code`, in rank order, as every rank sees it.
+    One all-reduce of one int32 per rank. Collective: call on every rank."""
+    codes = torch.zeros(runtime.num_processes(), dtype=torch.int32)
+    codes[runtime.process_id()] = int(code)
+    dist.all_reduce(codes, group=runtime.cpu_group())
+    return codes.tolist()
+
+
+def ranks_with_flag(flag):
+    """The ranks whose `flag` is true, as every rank sees it. Collective:
+    call on every rank."""
+    codes = codes_of_ranks(bool(flag))
+    return [rank for rank, value in enumerate(codes) if value]
+
+
+class StopTogether(keras.callbacks.Callback):
+    """Agrees on `model.stop_training` across ranks after every batch and
+    every epoch of `fit`. Must be the last callback (it reads what the
+    others set). Collective: every rank runs it at the same points."""
+
+    def __init__(self):
+        super().__init__()
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._agree(f"epoch {self._epoch}, after batch {batch}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._agree(f"the end of epoch {epoch}")
+
+    def _agree(self, where):
+        codes = codes_of_ranks(
+            int(bool(self.model.stop_training)) | self.own_code() << 1
+        )
+        stopping = [rank for rank, code in enumerate(codes) if code & 1]
+        if stopping and len(stopping) < runtime.num_processes():
+            warn_on_every_rank(
+                "model.stop_training was set on rank(s) %s only (by a "
+                "callback, e.g. EarlyStopping or a time limit, or by your "
+                "code), at %s: every rank stops training here, as one process "
+                "would. Set it on every rank to keep this message away.",
+                stopping,
+                where,
+            )
+        if stopping:
+            self.model.stop_training = True
+        self.agreed([code >> 1 for code in codes], where)
+
+    def own_code(self):
+        """What else this rank tells the others at each agreement, as a
+        non-negative integer (in the same all-reduce)."""
+        return 0
+
+    def agreed(self, codes, where):
+        """Every rank's `own_code()` at this agreement, in rank order."""
+        del codes, where
+
+
+def ends_together(batches):
+    """`batches` (an iterator of per-process batches of unknown number)
+    while every rank has a batch; the iteration ends on every rank at the
+    first batch some rank lacks. Collective per batch: call on every rank."""
+    position = 0
+    while True:
+        batch = next(batches, _NONE)
+        missing = ranks_with_flag(batch is _NONE)
+        if missing:
+            if len(missing) < runtime.num_processes():
+                warn_on_every_rank(
+                    (
+                        "Rank(s) %s ran out of input after %d batches while "
+                        "other ranks had more: every rank ends this pass over "
+                        "the data there, and the others' remaining batches are "
+                        "not used. Give every process the same number of "
+                        "batches (per-process inputs are each process's part "
+                        "of every global batch)."
+                    ),
+                    missing,
+                    position,
+                )
+            return
+        position += 1
+        yield batch
+
+
+_NONE = object()
+
+
+# ---------------------------------------------------------------------------
+# Collective steps: a step run on every rank, failed on every rank if it
+# failed on any.
+# ---------------------------------------------------------------------------
+
+
+def barrier(group=None):
+    """Every rank waits for the others, on `group` (default: the group for
+    CPU tensors, `runtime.cpu_group()`, which needs no current GPU).
+    Collective: call on every rank."""
+    if runtime.is_multi_process():
+        dist.barrier(group=group or runtime.cpu_group())
+
+
+def agree(step, group=None):
+    """Run `step()` on every rank; if it raised on any rank, raise on every
+    rank (the first failing rank's error), so that no rank goes on into a
+    collective the others left. Returns this rank's result.
+    Collective: call on every rank."""
+    results = []
+    gather(lambda: results.append(step()), group)
+    return results[0]
+
+
+def gather(step, group=None):
+    """Every rank's result of `step()` (a list indexed by rank); if it
+    raised on any rank, the first failing rank's error is raised on every
+    rank. Collective: call on every rank."""
+    result, error = None, None
+    try:
+        result = step()
+    except Exception as caught:  # re-raised below, on every rank
+        error = caught
+    mine = (result, _portable(error))
+    everyone = [mine]
+    if runtime.is_multi_process():
+        group = group or runtime.cpu_group()
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    first = next((e for _, e in everyone if e is not None), None)
+    if error is not None:
+        raise error
+    if first is not None:
+        raise first
+    return [theirs for theirs, _ in everyone]
+
+
+class RankFailedError(RuntimeError):
+    """A step failed on a rank with an error that cannot cross processes
+    (it does not survive pickling): the error's type and text, and `rank`,
+    the rank it was raised on."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.rank))
+
+
+def _portable(error):
+    """`error` if it survives pickling, else a RankFailedError with its
+    text (what another rank can raise)."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # an exception type that cannot cross processes
+        return RankFailedError(
+            f"on rank {runtime.process_id()}: {type(error).__name__}: {error}",
+            runtime.process_id(),
+        )
+    return error

@@ -18,6 +18,8 @@ shapes and placements, checked against what rank 0 holds.
 
 Modules, bottom first (a module imports only those above it):
 
+- `_collective_counts`: counting a step's collectives (the plan's step,
+  tests, benchmarks).
 - `world`: the simulated world (torch's fake process group), started and
   destroyed only by `ktd plan`.
 - `values`: variables allocated, not initialised, while planning.

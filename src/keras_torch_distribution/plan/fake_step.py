@@ -8,7 +8,7 @@ placements, no storage. Within the block every op runs on fake tensors
 runs as on a real rank, DTensor propagates its shardings and issues its
 redistributions, this package's FSDP forms its groups, and every
 collective is dispatched (to torch's fake process group) with its real
-shapes, so that `collective_counts.tally` counts what a real step issues.
+shapes, so that `_collective_counts.tally` counts what a real step issues.
 Nothing is computed: a step of an 8 B model costs its Python, not its
 FLOPs or its bytes.
 

@@ -7,7 +7,7 @@ Exception` does not swallow it). At a fit where `step(model)` allows it,
 the fit runs Keras' own loop up to its first training step (this
 package's batch adapter gives rank 0 its rows); that step runs twice on
 its batch, the first to build the optimizer and record FSDP's group order,
-the second with its collectives counted (`collective_counts.tally`), as
+the second with its collectives counted (`_collective_counts.tally`), as
 the multi-process tests count a real step, and its FSDP gathers measured
 (`gathered`). The step runs on the variables' own (unwritten) tensors, or
 on fake ones (`fake_step`: nothing allocated, for models of any size).
@@ -17,7 +17,7 @@ Then the plan stops.
 import contextlib
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution.distributed import collective_counts
+from keras_torch_distribution.plan import _collective_counts
 from keras_torch_distribution.plan import fake_step
 from keras_torch_distribution.plan import gathered
 from keras_torch_distribution.plan import peers
@@ -36,7 +36,7 @@ class Record:
     def __init__(self):
         self.model = None
         self.stopped_at = None
-        self.tally = None  # collective_counts.Tally of one step, or None
+        self.tally = None  # _collective_counts.Tally of one step, or None
         self.no_step = None  # why no step was simulated
         self.step_kind = None  # "real" or "fake" (see fake_step)
         self.gathered = None  # gathered.Gathered of the counted step
@@ -127,7 +127,7 @@ def _counted_fit(record, model, fit, args, kwargs, in_step):
         def counted(data):
             original(data)
             with (
-                collective_counts.tally() as tally,
+                _collective_counts.tally() as tally,
                 gathered.tracking(group_names) as held,
             ):
                 original(data)

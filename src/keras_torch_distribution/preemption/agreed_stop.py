@@ -34,9 +34,8 @@ import keras
 
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import position
-from keras_torch_distribution.checkpoint import _files
 from keras_torch_distribution.checkpoint import callbacks as checkpoints
-from keras_torch_distribution.distributed import stopping
+from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.log import warn_on_every_rank
 from keras_torch_distribution.preemption import requeue
 from keras_torch_distribution.preemption import signals
@@ -59,7 +58,7 @@ def backup_callbacks(callbacks) -> list:
     ]
 
 
-class PreemptTogether(stopping.StopTogether):
+class PreemptTogether(agreement.StopTogether):
     """Stops the ranks together, and at a preemption signal writes
     `backups` (this `fit`'s backup callbacks) at one agreed step and exits
     with 128 + the signal on every rank. Must be the last callback.
@@ -121,7 +120,7 @@ class PreemptEvaluation(keras.callbacks.Callback):
         signals.catch()
 
     def on_test_batch_end(self, batch, logs=None):
-        codes = stopping.codes_of_ranks(signals.received())
+        codes = agreement.codes_of_ranks(signals.received())
         received = {rank: code for rank, code in enumerate(codes) if code}
         if received:
             signals.boundary_reached()
@@ -143,7 +142,7 @@ def _exit(received, what):
     waited = signals.seconds_since_signal()
     job = requeue.job_to_requeue(number)
     if job is not None:
-        _files.barrier()
+        agreement.barrier()
         if runtime.process_id() == 0:
             what += "; " + requeue.requeue(job)
     message = (

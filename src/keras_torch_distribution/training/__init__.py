@@ -12,6 +12,8 @@ Modules, bottom first (a module imports only those above it):
   all-reduce when it has one.
 - `gradients`: gradients aligned with their variables' layouts and averaged
   over the replicas (the step's metric states riding along).
+- `call_agreement`: ranks agree on a fit / evaluate / predict call before
+  it runs (what differs named).
 - `trainer`: fit / evaluate / predict on N processes: gradient sync,
   metrics, predictions, logs.
 - `replica_start`: copies of a variable are equal before a model's first

@@ -18,11 +18,11 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import saving
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.batch import position
-from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.distributed import replicas
 from keras_torch_distribution.preemption import agreed_stop
 from keras_torch_distribution.preemption import signals
 from keras_torch_distribution.training import boundary
+from keras_torch_distribution.training import call_agreement
 from keras_torch_distribution.training import gradients
 from keras_torch_distribution.training import metric_states
 from keras_torch_distribution.variables import born_sharded
@@ -155,7 +155,7 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
     multi-process `fit` under a distribution gets `PreemptTogether` last:
     the ranks stop together, and a preemption signal writes its backups at
     one agreed step (`preemption`). Collective: call on every rank."""
-    agreement.check(original.__name__, model, args, kwargs)
+    call_agreement.check(original.__name__, model, args, kwargs)
     distribution = _keras.current_distribution()
     born_sharded.warn_if_created_outside(model.variables, distribution)
     left_whole.warn_if_left_whole(model.variables, distribution)

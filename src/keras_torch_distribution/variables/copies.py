@@ -41,6 +41,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.distributed import agreement
 from keras_torch_distribution.distributed import collectives
+from keras_torch_distribution.distributed import layouts
 
 
 class PendingCopies:
@@ -94,6 +95,21 @@ def equal_when_built():
     make_built_equal(variables)
 
 
+def variable_items(variables):
+    """Each variable's path, shape, dtype and layout, as (name, text) pairs."""
+    items = []
+    for variable in variables:
+        layout = layouts.resolved_layout(variable)
+        axes = tuple(layout.axes) if layout is not None else None
+        items.append(
+            (
+                f"variable {variable.path}",
+                f"{tuple(variable.shape)} {variable.dtype} {axes}",
+            )
+        )
+    return items
+
+
 def make_built_equal(variables):
     """Make the copies of the `variables` a build created equal, after the
     ranks agree that they built the same ones (`agreement.compare`); returns
@@ -106,7 +122,7 @@ def make_built_equal(variables):
     count = f"{len(variables)} variable" + ("s" if len(variables) > 1 else "")
     agreement.compare(
         f"the build of {count} ({paths}{more})",
-        agreement.variable_items(variables),
+        variable_items(variables),
     )
     return make_equal(variables)
 

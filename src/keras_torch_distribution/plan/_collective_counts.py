@@ -1,6 +1,6 @@
 """Count the collectives this rank issues, by kind, for tests and benchmarks.
 
-    with collective_counts.counting() as counts:
+    with _collective_counts.counting() as counts:
         model.train_function(batch)
     counts  # {"all_gather": 6, "reduce_scatter": 4, "all_reduce": 1}
 
@@ -11,7 +11,7 @@ redistributions issue. (Torch's `CommDebugMode` does the same, but its
 module tracker fails on nested Keras layers.) Counts are per call on this
 rank; a collective not named here is counted under its own op name.
 
-    with collective_counts.tally() as tally:
+    with _collective_counts.tally() as tally:
         model.train_function(batch)
     tally.counts, tally.bytes  # bytes: the full buffer of each call, summed
 

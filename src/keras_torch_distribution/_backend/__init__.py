@@ -1,0 +1,17 @@
+"""The torch backend as Keras calls it, mirroring `keras/src/backend/torch/`:
+the modules whose functions Keras' own torch backend module or op calls
+reach (through the patch table in `_install`, or installed whole as
+Keras' backend `distribution_lib`).
+
+Modules, bottom first (a module imports only those above it):
+
+- `keras_ops`: the backend ops Keras layers call with sharded values
+  (`convert_to_numpy`, `slice_update`, `scatter_update`,
+  `batch_normalization`), DTensor-aware.
+- `distribution_lib`: the backend module `keras.distribution` calls
+  (`list_devices`, `initialize`, `distribute_tensor`,
+  `distribute_data_input`, ...; the name upstream diffs target), and the
+  check of a `Distribution` when it is constructed.
+
+Nothing is re-exported: importing the package imports none of them.
+"""
