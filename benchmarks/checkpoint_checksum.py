@@ -55,8 +55,8 @@ def worker(case):
 
     import keras_torch_distribution  # noqa: F401
     from keras_torch_distribution import checkpoint
+    from keras_torch_distribution._log import logger
     from keras_torch_distribution.checkpoint import _dcp
-    from keras_torch_distribution.log import logger
 
     logger.setLevel(logging.ERROR)  # the unverified checkpoint warns on load
     width, layers, full_bytes, rank, mesh = _start_worker()

@@ -60,7 +60,7 @@ def _keras_worker(name, distributed):
     import keras
     import torch
 
-    from keras_torch_distribution.variables import copies
+    from keras_torch_distribution._variables import copies
 
     torch.set_num_threads(1)
     spent = {"equalize_s": 0.0, "broadcasting_builds": 0}

@@ -1057,7 +1057,7 @@ def _where(frames):
 
 def _state_bytes(model):
     """This rank's bytes of parameters and optimizer state."""
-    from keras_torch_distribution.report import shard_table
+    from keras_torch_distribution._report import shard_table
 
     rows = shard_table(model)
     params = sum(r["bytes"] for r in rows if r.get("kind") != "optimizer")

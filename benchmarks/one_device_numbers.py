@@ -104,7 +104,7 @@ def _layer_cost(case, patch, rank, iterations=40):
     import torch
     import torch.distributed as dist
 
-    from keras_torch_distribution.distributed import replicas
+    from keras_torch_distribution._distributed import replicas
 
     torch.manual_seed(rank)
     if case == "batchnorm":
@@ -157,7 +157,7 @@ def _worker(case):
     import torch.distributed as dist
 
     import keras_torch_distribution  # noqa: F401
-    from keras_torch_distribution.training import replica_start
+    from keras_torch_distribution._training import replica_start
 
     torch.set_num_threads(1)
     steps = int(os.environ["BENCH_STEPS"])

@@ -309,7 +309,7 @@ class SavedForBackward:
         self.token_bytes = 0
 
     def install(self):
-        from keras_torch_distribution.fsdp import gathering
+        from keras_torch_distribution._fsdp import gathering
 
         regatherer = getattr(gathering, "_Regatherer", None)
         if regatherer is None or not hasattr(regatherer, "pack"):
@@ -439,8 +439,8 @@ def _heap():
 def _mark_groups(sampler):
     """Diagnostics: a mark before each FSDP group's regather and after
     each reduce-scatter of its gradients."""
-    from keras_torch_distribution.fsdp import groups
-    from keras_torch_distribution.fsdp import lookup_gradients
+    from keras_torch_distribution._fsdp import groups
+    from keras_torch_distribution._fsdp import lookup_gradients
 
     def wrap_backward(cls, label):
         original = cls.backward
@@ -621,7 +621,7 @@ def keras_worker():
     sampler.stop()
     import importlib
 
-    report = importlib.import_module("keras_torch_distribution.report")
+    report = importlib.import_module("keras_torch_distribution._report")
     whole = [
         {
             "path": row["path"],
@@ -655,7 +655,7 @@ def keras_worker():
 
 
 def _keras_state_bytes(model):
-    from keras_torch_distribution.variables import born_sharded
+    from keras_torch_distribution._variables import born_sharded
 
     weights = sum(
         born_sharded.local_bytes(v) for v in model.trainable_variables

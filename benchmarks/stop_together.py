@@ -3,7 +3,7 @@
     python benchmarks/stop_together.py [--steps 40] [--repeats 3]
 
 On several processes `fit` gets `StopTogether` as its last callback
-(`distributed/agreement.py`): after every batch the ranks agree on
+(`_distributed/agreement.py`): after every batch the ranks agree on
 `model.stop_training` in one all-reduce of one int32 flag per rank. This
 measures it on 2 processes, DataParallel, the 1024 -> 4 x Dense(1024) MLP of
 data_parallel.py (Adam, MSE, global batch 256), in `fit` itself (data
@@ -38,7 +38,7 @@ def _worker(case, steps):
     import torch
     import torch.distributed as dist
 
-    from keras_torch_distribution.distributed import agreement
+    from keras_torch_distribution._distributed import agreement
 
     torch.set_num_threads(1)
     keras.distribution.initialize()

@@ -17,11 +17,11 @@ from keras_torch_distribution._install import install  # noqa: E402
 from keras_torch_distribution._install import is_installed  # noqa: E402
 from keras_torch_distribution._install import uninstall  # noqa: E402
 from keras_torch_distribution._keras import SUPPORTED_KERAS_TEXT  # noqa: E402
+from keras_torch_distribution._preemption import Preempted  # noqa: E402
 from keras_torch_distribution._processes.join import initialize  # noqa: E402
 from keras_torch_distribution._processes.runtime import num_processes  # noqa: E402
 from keras_torch_distribution._processes.runtime import process_id  # noqa: E402
-from keras_torch_distribution.preemption import Preempted  # noqa: E402
-from keras_torch_distribution.report import report  # noqa: E402
+from keras_torch_distribution._report import report  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

@@ -14,33 +14,33 @@ import warnings
 import keras
 
 from keras_torch_distribution import _keras
-from keras_torch_distribution import saving
+from keras_torch_distribution import _saving
 from keras_torch_distribution._backend import distribution_lib
 from keras_torch_distribution._backend import keras_ops
+from keras_torch_distribution._batch import adapter
+from keras_torch_distribution._batch import position
+from keras_torch_distribution._batch import random_slices
+from keras_torch_distribution._batch import sync_batch_norm
+from keras_torch_distribution._distributed import layouts
+from keras_torch_distribution._distributed import replicas
+from keras_torch_distribution._distributed import sharding_rules
+from keras_torch_distribution._fsdp import einsum_grad
+from keras_torch_distribution._fsdp import flat_shards
+from keras_torch_distribution._fsdp import gathering
+from keras_torch_distribution._fsdp import groups
 from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
-from keras_torch_distribution.batch import adapter
-from keras_torch_distribution.batch import position
-from keras_torch_distribution.batch import random_slices
-from keras_torch_distribution.batch import sync_batch_norm
+from keras_torch_distribution._training import boundary
+from keras_torch_distribution._training import compiled
+from keras_torch_distribution._training import gradients
+from keras_torch_distribution._training import metric_states
+from keras_torch_distribution._training import optimizer_update
+from keras_torch_distribution._training import replica_start
+from keras_torch_distribution._training import trainer
+from keras_torch_distribution._variables import born_sharded
+from keras_torch_distribution._variables import copies
 from keras_torch_distribution.checkpoint import _dcp
 from keras_torch_distribution.checkpoint import callbacks
-from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import sharding_rules
-from keras_torch_distribution.fsdp import einsum_grad
-from keras_torch_distribution.fsdp import flat_shards
-from keras_torch_distribution.fsdp import gathering
-from keras_torch_distribution.fsdp import groups
-from keras_torch_distribution.training import boundary
-from keras_torch_distribution.training import compiled
-from keras_torch_distribution.training import gradients
-from keras_torch_distribution.training import metric_states
-from keras_torch_distribution.training import optimizer_update
-from keras_torch_distribution.training import replica_start
-from keras_torch_distribution.training import trainer
-from keras_torch_distribution.variables import born_sharded
-from keras_torch_distribution.variables import copies
 
 
 class Patch:
@@ -66,12 +66,12 @@ def _patch_table():
     """Every Keras attribute the package replaces, grouped by concern.
 
     Two changes sit outside this table, both undone by `uninstall()` too:
-    `distributed.sharding_rules.register()` adds DTensor rules to torch's
+    `_distributed.sharding_rules.register()` adds DTensor rules to torch's
     own tables (`DTensor._op_dispatcher`; clearing
     `sharding_rules.registration` puts torch's back), and
     `_keras.initializers_drawing_from` swaps Keras' initializers' random
     module inside one `with` block while a sharded variable is initialised
-    (`variables.sharded_init`).
+    (`_variables.sharded_init`).
     """
     k = _keras
     return [
@@ -209,18 +209,18 @@ def _patch_table():
         Patch(k.Model, "evaluate", trainer.quiet_on_other_ranks, wrap=True),
         Patch(k.Model, "predict", trainer.quiet_on_other_ranks, wrap=True),
         # Files: Keras files from rank 0, sharded checkpoints for backups.
-        Patch(k.Model, "save", saving.save, wrap=True),
-        Patch(k.Model, "save_weights", saving.save_weights, wrap=True),
-        Patch(k.Model, "summary", saving.summary, wrap=True),
+        Patch(k.Model, "save", _saving.save, wrap=True),
+        Patch(k.Model, "save_weights", _saving.save_weights, wrap=True),
+        Patch(k.Model, "summary", _saving.summary, wrap=True),
         Patch(
-            k.keras_file_utils_module, "makedirs", saving.makedirs, wrap=True
+            k.keras_file_utils_module, "makedirs", _saving.makedirs, wrap=True
         ),
         *[
             Patch(store, name, replacement, wrap=True)
             for store in k.KERAS_FILE_STORES
             for name, replacement in (
-                ("__init__", saving.store_init),
-                ("close", saving.store_close),
+                ("__init__", _saving.store_init),
+                ("close", _saving.store_close),
             )
         ],
         Patch(

@@ -395,7 +395,7 @@ def train_step_calls_backward(model):
     `torch.autograd.grad` instead when `model.jit_compile` is True and no
     DDP wraps the model (so that dynamo traces the whole step); the
     package's compiled step runs that step eagerly and compiles only the
-    forward (`training.compiled`), and only `backward()` fires the
+    forward (`_training.compiled`), and only `backward()` fires the
     gradient hooks that overlap the all-reduce with backward. The block
     hides `jit_compile` (the private `_jit_compile` the property reads);
     3.15's train_step does not read it."""

@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "env":
         return print_env()
     if command == "plan":
-        from keras_torch_distribution.plan import command as plan_command
+        from keras_torch_distribution.plan import _command as plan_command
 
         status, text = plan_command.run(rest)
         print(text, file=sys.stderr if status else sys.stdout)
@@ -141,9 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        from keras_torch_distribution._report import checkpoint_table
+        from keras_torch_distribution._report import format_checkpoint_table
         from keras_torch_distribution.checkpoint import NotACheckpointError
-        from keras_torch_distribution.report import checkpoint_table
-        from keras_torch_distribution.report import format_checkpoint_table
 
         try:
             print(format_checkpoint_table(checkpoint_table(rest[0])))

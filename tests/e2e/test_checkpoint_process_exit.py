@@ -114,8 +114,8 @@ def async_never_completed(path):
     import logging
 
     from keras_torch_distribution import checkpoint
+    from keras_torch_distribution._log import logger
     from keras_torch_distribution.checkpoint import _dcp
-    from keras_torch_distribution.log import logger
 
     distribute(SAVE_RULES)
     model = checkpoint_model()

@@ -2,7 +2,7 @@
 `init_process_group("nccl")` is on a GPU machine): the package's own
 collectives on CPU tensors -- ranks agreeing before fit, stopping
 together, the checkpoint files' agreement and barriers (all `agreement`),
-the shared shuffle's generator state (`batch.adapter`) -- run on a gloo
+the shared shuffle's generator state (`_batch.adapter`) -- run on a gloo
 side group (`runtime.cpu_group()`).
 
 On this CPU machine the group is "cuda:gloo": gloo for CUDA tensors only,
@@ -28,9 +28,9 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
     import torch
     import torch.distributed as dist
 
+    from keras_torch_distribution._batch import adapter
+    from keras_torch_distribution._distributed import agreement
     from keras_torch_distribution._processes import runtime
-    from keras_torch_distribution.batch import adapter
-    from keras_torch_distribution.distributed import agreement
 
     rank = rank_by_pid[os.getpid()]
     dist.init_process_group(

@@ -393,7 +393,7 @@ def test_no_step_inherits_another_batch_weight(pool2):
 def _disagreeing_fit(what):
     import time
 
-    from keras_torch_distribution.distributed.agreement import (
+    from keras_torch_distribution._distributed.agreement import (
         RanksDisagreeError,
     )
 
@@ -407,7 +407,7 @@ def _disagreeing_fit(what):
     )
     model = _model()
     if what == "agree":
-        from keras_torch_distribution.training import call_agreement
+        from keras_torch_distribution._training import call_agreement
 
         start = time.perf_counter()
         for _ in range(20):

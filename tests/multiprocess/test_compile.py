@@ -156,7 +156,7 @@ def fallback_train():
 
     import keras
 
-    from keras_torch_distribution.log import logger
+    from keras_torch_distribution._log import logger
 
     records = []
 
@@ -304,8 +304,8 @@ def overlap_under_jit_compile(jit_compile):
     """Under DataParallel: whether each step's gradients were averaged by
     the all-reduces the gradient hooks started during backward (one entry
     per step), and whether Keras wrapped the model in DDP."""
-    from keras_torch_distribution.training import overlap
-    from keras_torch_distribution.variables import born_sharded
+    from keras_torch_distribution._training import overlap
+    from keras_torch_distribution._variables import born_sharded
 
     averaged_in_backward = []
     finish = overlap.OverlappedReducer.finish

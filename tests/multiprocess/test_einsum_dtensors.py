@@ -167,7 +167,7 @@ def unevenly_sharded(equation):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
-    from keras_torch_distribution.fsdp import gathering
+    from keras_torch_distribution._fsdp import gathering
 
     mesh, shapes, plain, want, grad, want_grads = _reference(equation, UNEVEN)
     cases = [

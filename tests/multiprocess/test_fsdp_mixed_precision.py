@@ -2,7 +2,7 @@
 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (GPU audit
 M3): parameters are all-gathered in bfloat16 (half the bytes of float32),
 gradients reduce-scattered in float32, on the grouped flat path
-(`fsdp.groups`) and on the per-variable DTensor path (`fsdp.gathering`:
+(`_fsdp.groups`) and on the per-variable DTensor path (`_fsdp.gathering`:
 variables outside a group, everything under jit_compile). On 2 gloo processes
 against one process on the global batch, with the dtype and bytes of every
 collective of one training step recorded.
@@ -103,8 +103,8 @@ def _train(distributed, path="groups"):
     "variables" (no group: the per-variable gathers) or "compiled"
     (jit_compile=True: the per-variable gathers, traced by torch.compile;
     its collectives are not recorded)."""
-    from keras_torch_distribution.fsdp import groups
-    from keras_torch_distribution.training import compiled
+    from keras_torch_distribution._fsdp import groups
+    from keras_torch_distribution._training import compiled
 
     x, y = _data()
     saved_policy = keras.config.dtype_policy()

@@ -61,7 +61,7 @@ def _unseeded_weights_without_initialize():
 def _destroy():
     import torch.distributed as dist
 
-    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution._distributed import layouts
 
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -33,7 +33,7 @@ def _layout_cases(mesh_shape, axis_names, cases, devices=None):
     from torch.distributed.tensor import distribute_tensor
 
     from keras_torch_distribution._backend import distribution_lib
-    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution._distributed import layouts
 
     mesh = keras.distribution.DeviceMesh(
         mesh_shape,
@@ -192,7 +192,7 @@ def _error_cases():
     import keras
     import numpy as np
 
-    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution._distributed import layouts
 
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((2,), ["batch"], devices)

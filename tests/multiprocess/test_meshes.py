@@ -58,7 +58,7 @@ def _mesh_caching():
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor import distribute_tensor
 
-    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution._distributed import layouts
 
     devices = keras.distribution.list_devices()
     mesh_a = keras.distribution.DeviceMesh((2,), ["batch"], devices)

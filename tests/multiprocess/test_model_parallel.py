@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from keras_torch_distribution.variables import born_sharded  # noqa: E402
+from keras_torch_distribution._variables import born_sharded  # noqa: E402
 
 RTOL = ATOL = 1e-5
 STEPS = 3

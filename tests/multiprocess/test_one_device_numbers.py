@@ -292,8 +292,8 @@ WINDOW = (40, 16, 8)  # global rows, this replica's first row, its rows
 def small_chunks(monkeypatch):
     """A fed batch's window, and draws made in several chunks."""
     import keras_torch_distribution  # noqa: F401
-    from keras_torch_distribution.distributed import replicas
-    from keras_torch_distribution.variables import sharded_init
+    from keras_torch_distribution._distributed import replicas
+    from keras_torch_distribution._variables import sharded_init
 
     monkeypatch.setattr(sharded_init, "CHUNK_DRAWS", 40)  # 5 chunks of 8 rows
     monkeypatch.setattr(replicas.batch_weight, "rows", None)

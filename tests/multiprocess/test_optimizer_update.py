@@ -95,7 +95,7 @@ def test_adam_update_is_bit_identical_to_keras(kind, path, monkeypatch):
     chunks)."""
     import torch
 
-    from keras_torch_distribution.training import optimizer_update
+    from keras_torch_distribution._training import optimizer_update
 
     if path == "foreach_chunks":
         monkeypatch.setattr(

@@ -4,7 +4,7 @@ simulated world of 2 and 4 equal those each rank of a real 2- and
 collectives it counts in its simulated step equal those
 `plan._collective_counts` counts in a real step (the second, as the plan counts
 its second run of the first step), and under FSDP the gathered weights it
-measures (`plan.gathered`: held at once, largest gather) equal those each
+measures (`plan._gathered`: held at once, largest gather) equal those each
 real rank measures in its step, at the prefetch depth the plan simulates
 (KTD_FSDP_PREFETCH=1, CUDA's default). Each case is planned twice, with
 the step on rank 0's own tensors (--step real) and on fake tensors
@@ -98,9 +98,9 @@ def _real(script, args):
 
     import keras
 
-    from keras_torch_distribution.distributed import tensors
+    from keras_torch_distribution._distributed import tensors
     from keras_torch_distribution.plan import _collective_counts
-    from keras_torch_distribution.plan import gathered
+    from keras_torch_distribution.plan import _gathered
 
     os.environ["KTD_FSDP_PREFETCH"] = "1"
 
@@ -118,10 +118,10 @@ def _real(script, args):
                 calls.append(1)
                 if len(calls) != 2:
                     return original(data)
-                names = gathered.batch_group_names(model.variables)
+                names = _gathered.batch_group_names(model.variables)
                 with (
                     _collective_counts.tally() as tally,
-                    gathered.tracking(names) as held,
+                    _gathered.tracking(names) as held,
                 ):
                     logs = original(data)
                 found["tally"] = tally

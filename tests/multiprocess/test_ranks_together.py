@@ -41,7 +41,7 @@ class _Records:
     """The package logger's records on this rank while the block runs."""
 
     def __enter__(self):
-        from keras_torch_distribution.log import logger
+        from keras_torch_distribution._log import logger
 
         self.messages = []
         self.handler = logging.Handler()
@@ -52,7 +52,7 @@ class _Records:
         return self
 
     def __exit__(self, *exc):
-        from keras_torch_distribution.log import logger
+        from keras_torch_distribution._log import logger
 
         logger.removeHandler(self.handler)
 

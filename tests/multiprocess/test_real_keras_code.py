@@ -104,7 +104,7 @@ def uneven_einsum(heads, distributed=True):
     kernel after one fit step."""
     import keras
 
-    from keras_torch_distribution import log
+    from keras_torch_distribution import _log
 
     keras.distribution.set_distribution(None)
     if distributed:
@@ -118,7 +118,7 @@ def uneven_einsum(heads, distributed=True):
     keras.utils.set_random_seed(2)
     records = []
     handler = _ListHandler(records)
-    log.logger.addHandler(handler)
+    _log.logger.addHandler(handler)
     try:
         inputs = keras.Input((5, 8))
         outputs = keras.layers.EinsumDense(
@@ -132,7 +132,7 @@ def uneven_einsum(heads, distributed=True):
         model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
         result = (output, np.asarray(model.get_layer("heads").kernel))
     finally:
-        log.logger.removeHandler(handler)
+        _log.logger.removeHandler(handler)
         keras.distribution.set_distribution(None)
     return result, records
 
@@ -298,7 +298,7 @@ def test_small_things_users_meet_first(pool2):
 def test_layouts_longer_than_the_tensor_are_refused(axes):
     from torch.distributed.tensor import Shard
 
-    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution._distributed import layouts
 
     layout = layouts.TorchLayout(mesh=None, placements=(Shard(0),), axes=axes)
     with pytest.raises(

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
-from keras_torch_distribution.distributed import sharding_rules
+from keras_torch_distribution._distributed import sharding_rules
 
 B, H, L, D = 4, 2, 8, 4
 

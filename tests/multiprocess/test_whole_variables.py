@@ -98,8 +98,8 @@ def _fit_llama(shard_reverse, checkpoint_dir=None):
 
 @pytest.mark.slow
 def test_map_that_leaves_reverse_embeddings_whole_warns_once(pool2, tmp_path):
-    from keras_torch_distribution.report import checkpoint_table
-    from keras_torch_distribution.report import format_checkpoint_table
+    from keras_torch_distribution._report import checkpoint_table
+    from keras_torch_distribution._report import format_checkpoint_table
 
     path = str(tmp_path / "ckpt")
     rank0, rank1 = pool2.run(_fit_llama, False, path, timeout=300)
@@ -122,7 +122,7 @@ def test_map_that_leaves_reverse_embeddings_whole_warns_once(pool2, tmp_path):
 
 @pytest.mark.slow
 def test_no_warning_when_every_large_variable_is_sharded(pool2, tmp_path):
-    from keras_torch_distribution.report import checkpoint_table
+    from keras_torch_distribution._report import checkpoint_table
 
     path = str(tmp_path / "ckpt")
     results = pool2.run(_fit_llama, True, path, timeout=300)

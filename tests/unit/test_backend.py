@@ -18,8 +18,8 @@ from torch.distributed.tensor import Shard
 import keras_torch_distribution
 from keras_torch_distribution import _keras
 from keras_torch_distribution._backend import distribution_lib
+from keras_torch_distribution._distributed import layouts
 from keras_torch_distribution._processes import runtime
-from keras_torch_distribution.distributed import layouts
 
 
 def _keras_backend_distribution_lib():

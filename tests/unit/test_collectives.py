@@ -2,7 +2,7 @@
 
 import torch
 
-from keras_torch_distribution.distributed import collectives
+from keras_torch_distribution._distributed import collectives
 
 
 def test_buckets_split_by_dtype_and_size_in_order_of_completion():

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from keras_torch_distribution.training import compiled  # noqa: E402
+from keras_torch_distribution._training import compiled  # noqa: E402
 
 
 @pytest.fixture

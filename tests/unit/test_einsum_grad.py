@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from keras_torch_distribution.fsdp import einsum_grad
-from keras_torch_distribution.fsdp import gathering
+from keras_torch_distribution._fsdp import einsum_grad
+from keras_torch_distribution._fsdp import gathering
 
 # keras_hub Llama's attention projections and two more shapes of EinsumDense.
 EQUATIONS = {

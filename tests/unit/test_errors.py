@@ -27,8 +27,8 @@ def one_process():
     expect none."""
     import torch.distributed as dist
 
-    from keras_torch_distribution.distributed import layouts
-    from keras_torch_distribution.distributed import replicas
+    from keras_torch_distribution._distributed import layouts
+    from keras_torch_distribution._distributed import replicas
 
     started = not dist.is_initialized()
     keras.distribution.initialize()
@@ -75,7 +75,7 @@ def test_unknown_axis_name_in_layout_map(one_process):
 
 def test_unknown_axis_name_in_a_tensor_layout(one_process):
     # A TensorLayout built without a mesh is checked when it meets one.
-    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution._distributed import layouts
 
     with pytest.raises(
         ValueError,
@@ -213,7 +213,7 @@ def test_a_step_error_that_cannot_cross_processes_is_sent_as_its_text():
     text (which does), and the failing rank raises its own."""
     import pickle
 
-    from keras_torch_distribution.distributed import agreement
+    from keras_torch_distribution._distributed import agreement
 
     class Unpicklable(Exception):
         def __reduce__(self):

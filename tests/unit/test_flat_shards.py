@@ -6,7 +6,7 @@ reduce_scatter_tensor reduces), with no process group."""
 import pytest
 import torch
 
-from keras_torch_distribution.fsdp import flat_shards
+from keras_torch_distribution._fsdp import flat_shards
 
 # (whole shape, sharded dim): even and uneven dims, a rank holding nothing.
 CASES = [

@@ -19,9 +19,9 @@ from torch.distributed.tensor import Shard  # noqa: E402
 
 from helpers import Allocations  # noqa: E402
 from keras_torch_distribution import _keras  # noqa: E402
-from keras_torch_distribution.distributed import layouts  # noqa: E402
-from keras_torch_distribution.distributed import tensors  # noqa: E402
-from keras_torch_distribution.variables import born_sharded  # noqa: E402
+from keras_torch_distribution._distributed import layouts  # noqa: E402
+from keras_torch_distribution._distributed import tensors  # noqa: E402
+from keras_torch_distribution._variables import born_sharded  # noqa: E402
 
 
 class _SecondOfFour:

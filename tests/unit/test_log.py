@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from keras_torch_distribution.log import logger
+from keras_torch_distribution._log import logger
 
 
 class _Collect(logging.Handler):

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from helpers import ROOT
 from keras_torch_distribution import cli
-from keras_torch_distribution.plan import command
-from keras_torch_distribution.plan import runner
-from keras_torch_distribution.plan import world
+from keras_torch_distribution.plan import _command
+from keras_torch_distribution.plan import _runner
+from keras_torch_distribution.plan import _world
 
 PLAN_TRAIN = os.path.join(ROOT, "tests", "scripts", "plan_train.py")
 
@@ -23,7 +23,7 @@ PLAN_TRAIN = os.path.join(ROOT, "tests", "scripts", "plan_train.py")
 @pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5", ""])
 def test_a_bad_world_is_named_with_the_fix(bad):
     with pytest.raises(ValueError) as error:
-        world.check_world(bad)
+        _world.check_world(bad)
     assert f"--world {bad!r}" in str(error.value)
     assert "whole number >= 1" in str(error.value)
 
@@ -34,17 +34,17 @@ def test_ktd_plan_refuses_world_zero_with_status_2(capsys):
 
 
 def test_arguments():
-    options, script, args = command.parse(
+    options, script, args = _command.parse(
         ["--world", "8", "--json=out.json", "train.py", "--epochs", "3"]
     )
     assert options == {"world": "8", "json": "out.json", "step": "auto"}
     assert (script, args) == ("train.py", ["--epochs", "3"])
     with pytest.raises(ValueError, match="unknown option --wrld"):
-        command.parse(["--wrld", "8", "train.py"])
+        _command.parse(["--wrld", "8", "train.py"])
     with pytest.raises(ValueError, match="--world N"):
-        command.parse(["train.py"])
+        _command.parse(["train.py"])
     with pytest.raises(ValueError, match="give the script"):
-        command.parse(["--world", "2"])
+        _command.parse(["--world", "2"])
 
 
 def test_a_script_that_never_fits_is_named_and_no_group_is_left(tmp_path):
@@ -52,8 +52,8 @@ def test_a_script_that_never_fits_is_named_and_no_group_is_left(tmp_path):
     script.write_text(
         "import keras\nassert len(keras.distribution.list_devices()) == 3\n"
     )
-    with pytest.raises(runner.PlanError) as error:
-        runner.plan(3, str(script))
+    with pytest.raises(_runner.PlanError) as error:
+        _runner.plan(3, str(script))
     message = str(error.value)
     assert str(script) in message and "never" not in message.split(":")[0]
     assert "without calling fit" in message and "model.fit" in message
@@ -63,8 +63,8 @@ def test_a_script_that_never_fits_is_named_and_no_group_is_left(tmp_path):
 
 def test_a_missing_script_is_named(tmp_path):
     missing = str(tmp_path / "nope.py")
-    with pytest.raises(runner.PlanError, match="is not a file"):
-        runner.plan(2, missing)
+    with pytest.raises(_runner.PlanError, match="is not a file"):
+        _runner.plan(2, missing)
 
 
 def _plan_json(tmp_path, world, script, *args, step="auto"):
@@ -104,7 +104,7 @@ def test_a_bad_step_choice_is_named(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("")
     with pytest.raises(ValueError) as error:
-        runner.plan(2, str(script), step="maybe")
+        _runner.plan(2, str(script), step="maybe")
     assert "--step 'maybe'" in str(error.value)
     assert "auto, fake, real, no" in str(error.value)
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from helpers import ROOT
 from keras_torch_distribution import cli
+from keras_torch_distribution.plan import _runner
 from keras_torch_distribution.plan import is_planning
-from keras_torch_distribution.plan import runner
 
 PLAN_PEERS = os.path.join(ROOT, "tests", "scripts", "plan_peers.py")
 
@@ -35,8 +35,8 @@ def _line_of(collective):
     ],
 )
 def test_a_collective_of_the_script_is_refused_with_its_line(call, collective):
-    with pytest.raises(runner.PlanError) as error:
-        runner.plan(4, PLAN_PEERS, [call], step="no")
+    with pytest.raises(_runner.PlanError) as error:
+        _runner.plan(4, PLAN_PEERS, [call], step="no")
     message = str(error.value)
     assert f"{PLAN_PEERS}:{_line_of(collective)} calls " in message
     assert f"torch.distributed.{collective}," in message
@@ -53,7 +53,7 @@ def test_ktd_plan_exits_2_naming_the_collective(capsys):
 
 @pytest.mark.parametrize("call", ["from_rank_0", "guarded"])
 def test_collectives_that_need_no_peers_pass(call):
-    plan = runner.plan(4, PLAN_PEERS, [call], step="no")
+    plan = _runner.plan(4, PLAN_PEERS, [call], step="no")
     assert plan["world"] == 4 and plan["stopped_at"] == "fit"
     assert not is_planning()
 
@@ -74,8 +74,8 @@ def test_a_helper_module_is_named_with_the_script_line(tmp_path):
         "except Exception:\n"
         "    pass\n"
     )
-    with pytest.raises(runner.PlanError) as error:
-        runner.plan(2, str(script))
+    with pytest.raises(_runner.PlanError) as error:
+        _runner.plan(2, str(script))
     message = str(error.value)
     assert "helper.py:3 (called from " in message
     assert "train.py:5)" in message

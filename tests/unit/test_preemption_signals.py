@@ -12,8 +12,8 @@ import pytest
 
 from keras_torch_distribution import Preempted
 from keras_torch_distribution import _env
-from keras_torch_distribution.preemption import requeue
-from keras_torch_distribution.preemption import signals
+from keras_torch_distribution._preemption import requeue
+from keras_torch_distribution._preemption import signals
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_a_failed_requeue_is_reported_not_raised(monkeypatch, tmp_path):
 WATCHDOG = textwrap.dedent(
     """
     import os, signal, time
-    from keras_torch_distribution.preemption import signals
+    from keras_torch_distribution._preemption import signals
     assert signals.catch()
     print("ready", flush=True)
     while True:  # never reaches a step boundary

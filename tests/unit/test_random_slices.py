@@ -13,8 +13,8 @@ import keras  # noqa: E402,F401
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from keras_torch_distribution.batch import random_slices  # noqa: E402
-from keras_torch_distribution.distributed import replicas  # noqa: E402
+from keras_torch_distribution._batch import random_slices  # noqa: E402
+from keras_torch_distribution._distributed import replicas  # noqa: E402
 
 
 @pytest.fixture(params=[False, True], ids=["chunked", "at-once"])

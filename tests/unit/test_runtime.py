@@ -289,7 +289,7 @@ def test_without_ktd_device_keras_stays_on_cuda(cuda_machine, monkeypatch):
 def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):
     """A 'cpu' mesh on a CUDA run would hold CUDA tensors: refused, from
     list_devices('cpu') and from hand-written 'cpu:R' devices."""
-    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution._distributed import layouts
 
     monkeypatch.delenv("KTD_DEVICE", raising=False)
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)
@@ -315,7 +315,7 @@ def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):
 def test_gpu_devices_under_ktd_device_cpu_are_refused(
     cuda_machine, monkeypatch
 ):
-    from keras_torch_distribution.distributed import layouts
+    from keras_torch_distribution._distributed import layouts
 
     monkeypatch.setenv("KTD_DEVICE", "cpu")
     monkeypatch.setattr(runtime, "is_initialized", lambda: False)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from keras_torch_distribution import log
-from keras_torch_distribution.variables import sharded_init
+from keras_torch_distribution import _log
+from keras_torch_distribution._variables import sharded_init
 
 # (shape, pieces per dim): shard on dim 0, dim 1, both, uneven, 1-D biases,
 # 3-D and 4-D conv kernels, shapes under 16 values, rows that are not a
@@ -222,11 +222,11 @@ class _Capture(logging.Handler):
 
 @pytest.fixture
 def warnings_seen(monkeypatch):
-    monkeypatch.setattr(log, "_warned", set())
+    monkeypatch.setattr(_log, "_warned", set())
     handler = _Capture()
-    log.logger.addHandler(handler)
+    _log.logger.addHandler(handler)
     yield handler.messages
-    log.logger.removeHandler(handler)
+    _log.logger.removeHandler(handler)
 
 
 def test_orthogonal_falls_back_with_one_warning(warnings_seen):

@@ -26,18 +26,18 @@ ARCHITECTURE = os.path.join(
 LAYERS = [
     "_keras",  # the seam: the only importer of keras.src
     "_env",  # KTD_* settings
-    "log",
+    "_log",
     "_processes",  # this process joins its job: launchers, process group
-    "distributed",  # meshes, DTensors
-    "fsdp",
-    "variables",  # born sharded
+    "_distributed",  # meshes, DTensors
+    "_fsdp",
+    "_variables",  # born sharded
     "_backend",  # the torch backend as Keras calls it (distribution_lib)
-    "saving",
-    "batch",
+    "_saving",
+    "_batch",
     "checkpoint",
-    "preemption",  # signals: an agreed step, its backup, the exit
-    "training",  # the step
-    "report",
+    "_preemption",  # signals: an agreed step, its backup, the exit
+    "_training",  # the step
+    "_report",
     "_install",  # the patch table
     "__init__",
     "plan",  # ktd plan: a simulated world of N on one CPU

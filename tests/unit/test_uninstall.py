@@ -9,13 +9,13 @@ from torch.distributed.tensor import DTensor
 
 import keras_torch_distribution
 from keras_torch_distribution import _install
-from keras_torch_distribution.distributed import replicas
-from keras_torch_distribution.distributed import sharding_rules
-from keras_torch_distribution.fsdp import gathering
-from keras_torch_distribution.training import gradients
-from keras_torch_distribution.training import overlap
-from keras_torch_distribution.training import replica_start
-from keras_torch_distribution.variables import born_sharded
+from keras_torch_distribution._distributed import replicas
+from keras_torch_distribution._distributed import sharding_rules
+from keras_torch_distribution._fsdp import gathering
+from keras_torch_distribution._training import gradients
+from keras_torch_distribution._training import overlap
+from keras_torch_distribution._training import replica_start
+from keras_torch_distribution._variables import born_sharded
 
 _RULE_OPS = (
     torch.ops.aten.convolution.default,

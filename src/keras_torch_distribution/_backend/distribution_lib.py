@@ -13,11 +13,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._distributed import layouts
+from keras_torch_distribution._distributed import tensors
 from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._processes import seeds
-from keras_torch_distribution.distributed import layouts
-from keras_torch_distribution.distributed import tensors
 
 if TYPE_CHECKING:
     import numpy as np

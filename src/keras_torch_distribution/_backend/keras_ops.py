@@ -13,9 +13,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate
 
-from keras_torch_distribution.distributed import sharding_rules
-from keras_torch_distribution.distributed.tensors import full_value
-from keras_torch_distribution.distributed.tensors import host_value
+from keras_torch_distribution._distributed import sharding_rules
+from keras_torch_distribution._distributed.tensors import full_value
+from keras_torch_distribution._distributed.tensors import host_value
 
 
 def to_numpy(original, value):

@@ -8,7 +8,7 @@ run torch's elastic agent, whose `ChildFailedError.failures` this reads).
 import re
 import signal
 
-from keras_torch_distribution.log import first_line
+from keras_torch_distribution._log import first_line
 
 # Words of errors a rank raises when a peer went away, not a cause of its own
 # (gloo, NCCL, and the TCP store).
@@ -179,7 +179,7 @@ def _exception(failure):
 
 
 def _cause(message):
-    """ "Type: first line" of a recorded exception (`log.first_line`)."""
+    """ "Type: first line" of a recorded exception (`_log.first_line`)."""
     cause = first_line(message, _MAX_CAUSE_CHARS)
     if not cause:
         return "an exception without a message."

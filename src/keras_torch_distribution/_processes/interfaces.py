@@ -27,7 +27,7 @@ import ipaddress
 import os
 import socket
 
-from keras_torch_distribution.log import logger
+from keras_torch_distribution._log import logger
 
 GLOO_VARIABLE = "GLOO_SOCKET_IFNAME"
 NCCL_VARIABLE = "NCCL_SOCKET_IFNAME"

@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._log import logger
 from keras_torch_distribution._processes import environments
 from keras_torch_distribution._processes import lost_hosts
 from keras_torch_distribution._processes import rendezvous
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._processes import seeds
 from keras_torch_distribution._processes import spawn
-from keras_torch_distribution.log import logger
 
 if TYPE_CHECKING:
     from keras_torch_distribution._processes.record import Launch

@@ -20,11 +20,11 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from keras_torch_distribution._log import logger
 from keras_torch_distribution._processes import agent_store
 from keras_torch_distribution._processes import interfaces
 from keras_torch_distribution._processes import lost_hosts
 from keras_torch_distribution._processes import runtime
-from keras_torch_distribution.log import logger
 
 # How long past KTD_TIMEOUT_SECONDS we wait for torch's rendezvous to report
 # its own timeout before giving up on it ourselves.

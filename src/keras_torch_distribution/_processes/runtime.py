@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
-from keras_torch_distribution.log import logger
+from keras_torch_distribution._log import logger
 
 DEFAULT_TIMEOUT_SECONDS = _env.DEFAULT_TIMEOUT_SECONDS
 

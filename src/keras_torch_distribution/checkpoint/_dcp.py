@@ -46,14 +46,14 @@ from torch.distributed.tensor import DTensor
 
 import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._keys as _keys
+from keras_torch_distribution._distributed import agreement
+from keras_torch_distribution._log import logger
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointError
 from keras_torch_distribution.checkpoint._errors import CheckpointReadError
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
-from keras_torch_distribution.distributed import agreement
-from keras_torch_distribution.log import logger
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

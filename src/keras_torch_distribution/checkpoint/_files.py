@@ -41,13 +41,13 @@ import zlib
 
 import torch.distributed as dist
 
+from keras_torch_distribution._distributed import agreement
+from keras_torch_distribution._log import logger
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointWriteError
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
 from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
-from keras_torch_distribution.distributed import agreement
-from keras_torch_distribution.log import logger
 
 FORMAT = "keras_torch_distribution.checkpoint"
 # 2: the marker lists every file with its size, CRC-32 and writing rank.

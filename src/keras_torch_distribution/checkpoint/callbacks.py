@@ -13,11 +13,11 @@ import keras
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
 from keras_torch_distribution import _keras
+from keras_torch_distribution._batch import position
+from keras_torch_distribution._distributed import agreement
+from keras_torch_distribution._log import logger
 from keras_torch_distribution._processes import runtime
-from keras_torch_distribution.batch import position
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
-from keras_torch_distribution.distributed import agreement
-from keras_torch_distribution.log import logger
 
 _NAME = re.compile(r"^ckpt-(\d+)$")
 # A checkpoint's name, or what a save or removal of it leaves while running.
@@ -88,7 +88,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     `restore=True` loads the newest complete checkpoint of `directory` when
     `fit` begins and resumes where it was taken: in a multi-process `fit`
     at exactly that batch, with the data order and random state of the run
-    that wrote it (`batch.position`); otherwise at the start of the epoch
+    that wrote it (`_batch.position`); otherwise at the start of the epoch
     it was taken in, as Keras' BackupAndRestore does. A preemption signal
     also writes one (`preemption`). `max_to_keep` keeps only the newest
     ones. What crashed saves left

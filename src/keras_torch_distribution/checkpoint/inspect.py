@@ -8,7 +8,7 @@ every damaged file and the rank that wrote it), never shown as healthy.
 
 A model variable written whole (one block) by a checkpoint of several
 processes, above `left_whole.SHARE` of the model's bytes, is marked
-WHOLE: every rank held it whole (see `variables.left_whole`).
+WHOLE: every rank held it whole (see `_variables.left_whole`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
+from keras_torch_distribution._variables import left_whole
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._keys import MODEL_PREFIX
-from keras_torch_distribution.variables import left_whole
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

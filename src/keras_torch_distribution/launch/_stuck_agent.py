@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from keras_torch_distribution.log import first_line
+from keras_torch_distribution._log import first_line
 
 GRACE_SECONDS = 4.0
 POLL_SECONDS = 0.25

@@ -20,26 +20,26 @@ Modules, bottom first (a module imports only those above it):
 
 - `_collective_counts`: counting a step's collectives (the plan's step,
   tests, benchmarks).
-- `world`: the simulated world (torch's fake process group), started and
+- `_world`: the simulated world (torch's fake process group), started and
   destroyed only by `ktd plan`.
-- `values`: variables allocated, not initialised, while planning.
-- `peers`: a script's own collectives that need real peers, refused.
-- `shards`: each rank's bytes of a variable, its gradient, its optimizer
+- `_values`: variables allocated, not initialised, while planning.
+- `_peers`: a script's own collectives that need real peers, refused.
+- `_shards`: each rank's bytes of a variable, its gradient, its optimizer
   state and FSDP's gathered groups, from shapes and layouts.
-- `gathered`: FSDP's gathered weights measured in a step (held at once,
+- `_gathered`: FSDP's gathered weights measured in a step (held at once,
   largest gather), at the dispatcher.
-- `fake_step`: a step on fake tensors (torch's FakeTensorMode): the
+- `_fake_step`: a step on fake tensors (torch's FakeTensorMode): the
   collectives of a model of any size, nothing allocated.
-- `fsdp_figure`: each rank's FSDP figure, measured or estimated.
-- `stops`: the script stopped at its first fit / evaluate / predict /
+- `_fsdp_figure`: each rank's FSDP figure, measured or estimated.
+- `_stops`: the script stopped at its first fit / evaluate / predict /
   save, after one counted training step.
-- `runner`: runs the script and assembles the plan.
-- `output`: the plan as text and as JSON.
-- `command`: `ktd plan`'s arguments.
+- `_runner`: runs the script and assembles the plan.
+- `_output`: the plan as text and as JSON.
+- `_command`: `ktd plan`'s arguments.
 
 Nothing is re-exported: importing the package imports none of them. A
 script asks `is_planning()` to skip, while planned, what needs real peers
-(its own collectives: `peers`).
+(its own collectives: `_peers`).
 """
 
 
@@ -47,6 +47,6 @@ def is_planning():
     """True while `ktd plan` runs this process as rank 0 of a simulated
     world: a script skips with it what needs real peers (a collective of
     its own, whose result the simulated world cannot give)."""
-    from keras_torch_distribution.plan import world
+    from keras_torch_distribution.plan import _world
 
-    return world.is_simulated()
+    return _world.is_simulated()

@@ -1,0 +1,234 @@
+"""`jit_compile=True` under a distribution.
+
+Keras' torch trainer compiles its whole per-step function. Under a
+distribution that cannot work as such: `loss.backward()` breaks the graph
+and the autograd engine then runs AOTAutograd's DTensor backward wrappers
+inside the compiling frame, where dynamo fails on their symbolic shapes
+(torch 2.13); the gradient hooks of the overlapped all-reduce and c10d
+collectives with async_op=True break the graph on every bucket. So the step
+stays Keras' own eager step (train_step / test_step / predict_step, user
+overrides included) and the model's outermost call -- forward, DTensor
+redistributions as functional collectives, the conversion to plain
+outputs -- runs through torch.compile; its backward is AOTAutograd's
+compiled backward. Gradient sync and the optimizer update run eagerly,
+overlapped with that backward as without compilation. Replaces, through
+the seam, Keras' `make_train_function` / `make_test_function` /
+`make_predict_function` (one factory, `make_step_function`, so steps made
+by user code before `fit` get this too) and Keras' flash-attention check while
+compiling.
+"""
+
+import types
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from keras_torch_distribution import _keras
+from keras_torch_distribution._log import first_line
+from keras_torch_distribution._log import innermost
+from keras_torch_distribution._log import warn_once
+from keras_torch_distribution._training import boundary
+
+
+class CompiledForwards:
+    """Each model's compiled outermost call, made once per model (torch
+    compiles on its first call and reuses the graphs after)."""
+
+    def __init__(self):
+        self.clear()
+
+    def get(self, model):
+        forward = self._by_model.get(model)
+        if forward is None:
+            forward = self._by_model[model] = _CompiledForward(model)
+        return forward
+
+    def clear(self):
+        self._by_model = (
+            weakref.WeakKeyDictionary()
+        )  # model -> _CompiledForward
+
+
+compiled_forwards = CompiledForwards()
+
+
+class _CompiledForward:
+    """A model's outermost call through torch.compile; eager (after one
+    warning) once torch.compile cannot handle it."""
+
+    def __init__(self, model):
+        self.model_name = model.name
+        # Static shapes: a dynamic batch dim fails where plain tensors meet
+        # DTensors (implicit replication calls numel() on symbolic sizes,
+        # torch 2.13); a last partial batch costs one recompile instead. A
+        # code object of its own per model keeps each model's compiled
+        # graphs apart from torch's per-code recompile limit. No FX graph
+        # cache: its key leaves out process-group names, so on a 2x2 mesh a
+        # rank loaded another rank's graph and its group name (torch 2.13:
+        # "Could not resolve the process group registered under the name").
+        eager = boundary.outermost_call
+        function = types.FunctionType(
+            eager.__code__.replace(), eager.__globals__, "ktd_compiled_forward"
+        )
+        self.compiled = torch.compile(
+            function, dynamic=False, options={"fx_graph_cache": False}
+        )
+        self.error = None
+
+    def __call__(self, original, layer, *args, **kwargs):
+        if self.error is not None:
+            return boundary.convert_outputs(
+                original, layer, True, *args, **kwargs
+            )
+        try:
+            return self.compiled(original, layer, *args, **kwargs)
+        except Exception as error:
+            if unrecoverable_cause(error) is not None:
+                # Out of memory, or a peer / the transport failed: not
+                # torch.compile's fault, and it hits one rank only (an OOM)
+                # or leaves the ranks' collectives out of step. Running
+                # eagerly here would let ranks diverge (some compiled, some
+                # eager) and hang in mismatched collectives.
+                raise
+            # Dynamo/inductor errors, and DTensor errors raised by compiled
+            # code (e.g. AOTAutograd regenerating an output view with
+            # as_strided, which DTensor refuses) reach here re-wrapped by
+            # Keras' layer call as plain exceptions. Every rank fails alike,
+            # and the forward of a step changes no state but in-forward
+            # updates (BatchNormalization's moving statistics, which may then
+            # be updated twice on this one step), so run it eagerly: if that
+            # fails too, the error is the model's own and is raised as it
+            # is; if not, torch.compile cannot handle this model: warn once
+            # and stay eager.
+            outputs = boundary.convert_outputs(
+                original, layer, True, *args, **kwargs
+            )
+            self.error = error
+            warn_once(
+                ("jit-compile-fallback", self.model_name),
+                "jit_compile=True: torch.compile could not run the forward "
+                "of model %r under the current distribution (%s); it runs "
+                "eagerly from now on, with the same numbers. To silence "
+                "this, compile the model with jit_compile=False.",
+                self.model_name,
+                _why(error),
+            )
+            return outputs
+
+
+# Errors a compiled forward must not fall back from (see __call__):
+# running out of (GPU) memory, and torch.distributed's errors (DistError:
+# DistBackendError from NCCL / gloo and the watchdog, DistNetworkError,
+# DistStoreError).
+UNRECOVERABLE = tuple(
+    cls
+    for cls in (
+        getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError,
+        getattr(dist, "DistError", None),
+    )
+    if cls is not None
+)
+
+
+def unrecoverable_cause(error):
+    """The out-of-memory or torch.distributed error in `error`'s chain of
+    causes (dynamo and Keras wrap the error raised inside), or None."""
+    seen = []
+    while error is not None and not any(error is e for e in seen):
+        if isinstance(error, UNRECOVERABLE):
+            return error
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _why(error):
+    """ "Type: message" of the error behind a failed compilation: the
+    innermost of its causes (torch wraps the model's own error in its
+    tracing errors, Keras in a layer-call error), with the outer type."""
+    root = innermost(error)
+    text = f"{type(root).__name__}: {first_line(root) or 'no message'}"
+    if root is not error:
+        text = f"{type(error).__name__}, caused by {text}"
+    return text
+
+
+def can_use_flash_attention(original, *args, raise_error=False, **kwargs):
+    """Keras' torch `_can_use_flash_attention`: its check whether
+    `dot_product_attention` may force the flash kernel builds a
+    `torch.backends.cuda.SDPAParams`, a C++ object dynamo cannot trace:
+    every attention call broke the compiled graph, inside a `name_scope`
+    where dynamo cannot resume, so whole layers ran eagerly. While
+    compiling, answer "no": Keras then calls the same
+    `scaled_dot_product_attention` without restricting its kernels, and
+    torch's own kernel choice (flash first where it applies) decides.
+    When the user asks for flash attention (`raise_error=True`), Keras'
+    check runs as it is."""
+    if torch.compiler.is_compiling() and not raise_error:
+        return False
+    return original(*args, raise_error=raise_error, **kwargs)
+
+
+def compiles_under_distribution(model):
+    """True when `model` was compiled with jit_compile=True and a
+    distribution is set: its outermost call runs through torch.compile."""
+    return (
+        _keras.current_distribution() is not None
+        and getattr(model, "jit_compile", False) is True
+    )
+
+
+def _builds_compiled_step(model, existing, force):
+    # steps_per_execution > 1 (Keras 3.16 on torch) reaches this step one
+    # batch at a time (`replica_start`).
+    return compiles_under_distribution(model) and (force or existing is None)
+
+
+# The step kinds Keras makes functions for: kind -> whether its step runs
+# without gradients.
+STEP_KINDS = {"train": False, "test": True, "predict": True}
+
+
+def make_step_function(kind, original, model, force=False):
+    """Keras' `make_train_function` / `make_test_function` /
+    `make_predict_function` (`kind`: "train", "test" or "predict";
+    `original`: Keras' own). For a model compiled with jit_compile=True
+    under a distribution, Keras' eager step with the model's outermost call
+    through torch.compile (see above), also when user code calls
+    `make_train_function()` itself."""
+    if kind not in STEP_KINDS:
+        raise ValueError(
+            f"kind={kind!r} is not a step kind: expected one of "
+            f"{sorted(STEP_KINDS)}, as in Keras' make_<kind>_function."
+        )
+    if _builds_compiled_step(
+        model, _keras.model_step_function(model, kind), force
+    ):
+        step = getattr(model, f"{kind}_step")
+        function = _step_function(model, step, STEP_KINDS[kind])
+        _keras.set_model_step_function(model, kind, function)
+        return function
+    return original(model, force)
+
+
+def _step_function(model, step, no_grad):
+    """Keras' eager one-step function, with the model's outermost call (and
+    only that call, not fit's symbolic build) through torch.compile."""
+    forward = compiled_forwards.get(model)
+
+    def one_step_on_data(data):
+        # Gradients left by the last step would be inputs of the compiled
+        # forward's guards and fake tensors (and dynamo cannot fake a DTensor
+        # parameter's DTensor .grad with static shapes, torch 2.13). Keras'
+        # train_step clears them before backward anyway (zero_grad).
+        model.zero_grad(set_to_none=True)
+        with boundary.forward_through(model, forward):
+            if no_grad:
+                with torch.no_grad():
+                    return step(data[0])
+            with _keras.train_step_calls_backward(model):
+                return step(data[0])
+
+    one_step_on_data._ktd_compiled_forward = True
+    return one_step_on_data

@@ -1,0 +1,138 @@
+"""Gradient synchronization across data-parallel replicas.
+
+Each replica's backward leaves gradients of its own rows. Before the
+optimizer step, gradients are put in their variable's layout (`align`: a
+sharded variable's gradient takes its placements, a plain variable's
+gradient is made whole), then averaged over the batch process group
+(`synchronize`): overlapped with backward (`overlap`) when every trainable
+variable is a plain tensor, else in flat buckets (`collectives.all_reduce`)
+with the step's metric states riding along (`metric_states`). Gradients of
+FSDP variables arrive reduce-scattered by their gather's backward.
+"""
+
+import weakref
+
+from torch.distributed.tensor import DTensor
+
+from keras_torch_distribution import _keras
+from keras_torch_distribution._distributed import collectives
+from keras_torch_distribution._distributed import replicas
+from keras_torch_distribution._distributed import tensors
+from keras_torch_distribution._fsdp import gathering
+from keras_torch_distribution._training import metric_states
+from keras_torch_distribution._training import overlap
+from keras_torch_distribution._variables import born_sharded
+
+
+def align(grad, value):
+    """`grad` in the layout of the variable value `value`.
+
+    Collective when a redistribution is needed: call on every rank.
+    """
+    if grad is None:
+        return None
+    if isinstance(value, DTensor):
+        if not isinstance(grad, DTensor):
+            return DTensor.from_local(
+                grad, value.device_mesh, value.placements, run_check=False
+            )
+        if tuple(grad.placements) != tuple(value.placements):
+            return grad.redistribute(value.device_mesh, value.placements)
+        return grad
+    if isinstance(grad, DTensor):
+        return tensors.full_value(grad)
+    return grad
+
+
+class OptimizerSync:
+    """What gradient synchronisation keeps between and within steps."""
+
+    def __init__(self):
+        # Nesting of `optimizer_apply`: Keras optimizers that wrap another
+        # (LossScaleOptimizer) call apply again, and only the outermost
+        # call synchronises.
+        self.apply_depth = 0
+        # optimizer -> OverlappedReducer; its hooks sit on the parameters.
+        self.reducers = weakref.WeakKeyDictionary()
+
+    def clear(self):
+        """Forget every reducer and take its gradient hooks off."""
+        for reducer in list(self.reducers.values()):
+            reducer.remove()
+        self.reducers = weakref.WeakKeyDictionary()
+        self.apply_depth = 0
+
+
+optimizer_sync = OptimizerSync()
+
+
+def synchronize(optimizer, grads, variables, group):
+    """Average the aligned `grads` of `variables` over the replicas of
+    `group` (overlapped with backward when the optimizer's reducer already
+    did it), accumulating first under gradient accumulation; the step's
+    metric states ride along. Collective: call on every rank."""
+    steps = optimizer.gradient_accumulation_steps
+    reducer = (
+        None if steps else _overlapped_reducer(optimizer, variables, group)
+    )
+    if reducer is not None and reducer.finish(grads):
+        return
+    # Gradients of variables sharded on the batch axis (FSDP) arrive
+    # reduce-scattered and averaged by their gather's backward.
+    replicated = [gathering.gather_plan(v) is None for v in variables]
+    local = [
+        tensors.local_part(g)
+        for g, keep in zip(grads, replicated)
+        if g is not None and keep
+    ]
+    scale = replicas.batch_scale()
+    if steps:
+        # Accumulate local gradients; average once per real step, together
+        # with what was accumulated.
+        if scale != 1.0:
+            for t in local:
+                t.mul_(scale)
+        iteration = _keras.apply_count(optimizer)
+        if (iteration + 1) % steps:
+            return
+        kept = [v for v, keep in zip(variables, replicated) if keep]
+        accumulators = _keras.gradient_accumulators(optimizer, kept)
+        local += [tensors.local_part(_keras.raw_value(a)) for a in accumulators]
+        scale = 1.0
+    # The step's metric states ride along (`metric_states`): no all-reduce
+    # of their own at the step's end.
+    folded = metric_states.foldable(optimizer, group, local)
+    collectives.all_reduce(
+        local,
+        group.group,
+        scale / group.count,
+        unscaled=folded[2] if folded else (),
+    )
+    if folded:
+        metric_states.record(folded, group)
+
+
+def _overlapped_reducer(optimizer, variables, group):
+    """The optimizer's overlapped reducer when every trainable variable is a
+    plain tensor (data parallelism); None otherwise. Built on the first step
+    (whose gradients are then averaged synchronously), reused after."""
+    params = [_keras.raw_value(v) for v in variables]
+    reducers = optimizer_sync.reducers
+    reducer = reducers.get(optimizer)
+    if reducer is not None and [id(p) for p in reducer.params] == [
+        id(p) for p in params
+    ]:
+        return reducer
+    if reducer is not None:
+        reducer.remove()
+        del reducers[optimizer]
+    if any(isinstance(p, DTensor) or not p.requires_grad for p in params):
+        return None
+    if born_sharded.has_sharded_variables():
+        # Plain variables beside sharded ones (LoRA adapters on sharded
+        # kernels) get DTensor gradients, which the synchronous path aligns
+        # to their variables before averaging.
+        return None
+    reducer = overlap.OverlappedReducer(params, group.group, group.count)
+    reducers[optimizer] = reducer
+    return reducer

@@ -1,0 +1,154 @@
+"""The plan as text (`format_text`) and as JSON (`write_json`).
+
+The JSON holds the plan's dict: `world`, `per_rank` (one object per set of
+identical ranks: `rank`, the first of them, `ranks`, all of them,
+`params_bytes`, `grads_bytes`, `optimizer_bytes`, `total_bytes` (their sum),
+under FSDP `fsdp_gathered_bytes` (gathered weights held at once),
+`fsdp_largest_gather_bytes` and `fsdp_figure` ("measured" or "estimated":
+see `_fsdp_figure`), `peak_bytes` (the total plus FSDP's gathered
+weights)), `worst_rank`, `step_simulated`, `step_kind` ("real" or "fake":
+see `_fake_step`), `collectives_per_step` (kind -> count and bytes of one
+training step on rank 0; every rank issues the same collectives),
+`fsdp_prefetch` (the depth simulated), `accelerate_estimate`
+(Accelerate's `estimate-memory` method: the model's bytes, and 4x for
+training with Adam), `left_whole`, `peak_rss_bytes`, `wall_seconds`.
+"""
+
+import json
+
+
+def human(n):
+    """Bytes with a binary unit: 1.50 GiB."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _ranks_text(ranks):
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
+
+
+def format_text(plan):
+    mesh = plan["mesh"]
+    lines = [
+        f"ktd plan: {' '.join(plan['script'])} at world {plan['world']}"
+        f" (stopped at {plan['stopped_at']})",
+        f"distribution {plan['distribution']}"
+        + (
+            f", mesh {tuple(mesh['shape'])} {tuple(mesh['axis_names'])}"
+            if mesh
+            else ""
+        )
+        + f"; {plan['parameters']:,} parameters, {human(plan['model_bytes'])}"
+        + (f"; optimizer {plan['optimizer']}" if plan["optimizer"] else ""),
+        "",
+    ]
+    fsdp = plan["fsdp_groups"] > 0
+    header = ["ranks", "params", "grads", "optimizer", "total"]
+    if fsdp:
+        header += ["FSDP held", "largest gather", "peak"]
+    table = [header]
+    for row in plan["per_rank"]:
+        cells = [
+            _ranks_text(row["ranks"]),
+            human(row["params_bytes"]),
+            human(row["grads_bytes"]),
+            human(row["optimizer_bytes"]),
+            human(row["total_bytes"]),
+        ]
+        if fsdp:
+            mark = "" if row["fsdp_figure"] == "measured" else " (est.)"
+            cells += [
+                human(row["fsdp_gathered_bytes"]) + mark,
+                human(row["fsdp_largest_gather_bytes"]) + mark,
+                human(row["peak_bytes"]) + mark,
+            ]
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for r in table:
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths))
+            )
+        )
+    worst = next(r for r in plan["per_rank"] if r["rank"] == plan["worst_rank"])
+    if len(plan["per_rank"]) > 1:
+        lines.append(
+            f"worst rank: {plan['worst_rank']} ({human(worst['peak_bytes'])})"
+        )
+    if fsdp:
+        lines.append(_fsdp_line(plan, worst))
+    lines.append("")
+    if plan["collectives_per_step"] is not None:
+        lines.append(
+            "collectives per training step (every rank), counted in a "
+            f"step on {_STEP_KINDS[plan['step_kind']]}:"
+        )
+        for kind, entry in plan["collectives_per_step"].items():
+            lines.append(
+                f"  {kind:16} {entry['count']:6}  {human(entry['bytes'])}"
+            )
+    else:
+        lines.append(f"collectives: not simulated ({plan['no_step_reason']})")
+    estimate = plan["accelerate_estimate"]
+    lines.append(
+        f"Accelerate's estimate-memory (whole model, every device): "
+        f"{human(estimate['model_bytes'])}; training with Adam "
+        f"{human(estimate['training_adam_bytes'])}"
+    )
+    for entry in plan["left_whole"]:
+        lines.append(
+            f"WHOLE: {entry['path']} is whole on every rank "
+            f"({human(entry['bytes'])}); layout_map[{entry['key']!r}] = "
+            f"{tuple(entry['axes'])} would shard it"
+        )
+    lines.append(
+        f"planned in {plan['wall_seconds']} s, peak RSS "
+        f"{human(plan['peak_rss_bytes'])}"
+    )
+    return "\n".join(lines)
+
+
+_STEP_KINDS = {
+    "real": "rank 0's own tensors",
+    "fake": "fake tensors (nothing allocated)",
+}
+
+
+def _fsdp_line(plan, worst):
+    prefetch = (
+        f"{plan['fsdp_prefetch']} group(s) prefetched (KTD_FSDP_PREFETCH; "
+        "CUDA's default 1)"
+    )
+    if worst["fsdp_figure"] == "measured":
+        return (
+            "FSDP: gathered weights held at once measured in the simulated "
+            f"step, {prefetch}"
+        )
+    if "fsdp_largest_group" in worst:
+        return (
+            f"FSDP (estimated, no step): the largest of {plan['fsdp_groups']} "
+            f"layer groups ({worst['fsdp_largest_group']}) with {prefetch}"
+        )
+    return (
+        "FSDP: rank 0's measured figure scaled by this rank's gathered "
+        "blocks (estimated: its blocks differ from rank 0's)"
+    )
+
+
+def write_json(plan, path):
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(plan, file, indent=2)
+        file.write("\n")
