@@ -13,6 +13,8 @@ Keras versions"; `_install.py` adds the patches only one of them needs.
 """
 
 import contextlib
+import importlib
+import pkgutil
 import types
 
 import keras
@@ -149,6 +151,17 @@ def torch_device_scope(name):
 
 
 to_torch_dtype = torch_core.to_torch_dtype
+floatx = keras.config.floatx
+epsilon = keras.config.epsilon
+result_type = keras.backend.result_type
+
+
+def convert_to_tensor(x, dtype=None):
+    """Keras' torch `convert_to_tensor`, as installed (looked up when
+    called, so the package's replacement when it is in place)."""
+    return torch_core.convert_to_tensor(x, dtype=dtype)
+
+
 convert_to_numpy = torch_core.convert_to_numpy
 is_torch_dataloader = data_adapters.is_torch_dataloader
 
@@ -182,6 +195,12 @@ def raw_value_version(variable):
 def set_raw_value(variable, tensor):
     """Store `tensor` as the variable's value, as Keras' torch backend does."""
     variable._value = tensor
+
+
+def sublayers(layer, recursive=False):
+    """The layers `layer` holds, not itself: its direct ones, or with
+    `recursive` every one below it."""
+    return list(layer._flatten_layers(include_self=False, recursive=recursive))
 
 
 def own_variables(layer):
@@ -521,6 +540,29 @@ CONVERT_TO_NUMPY_OWNERS = (
     (keras_backend,)
     if hasattr(keras_backend, "convert_to_numpy")
     else (keras_backend.ops, torch_core)
+)
+
+
+def _torch_backend_modules():
+    """`keras.src.backend` (and its `ops` in 3.16) and every module of the
+    torch backend package (3.15: `backend.torch.*`; 3.16 adds
+    `backend.torch.ops.*`), imported."""
+    package = importlib.import_module("keras.src.backend.torch")
+    found = [keras_backend, getattr(keras_backend, "ops", None), package]
+    prefix = package.__name__ + "."
+    for info in pkgutil.walk_packages(package.__path__, prefix):
+        if not info.name.endswith("_test"):
+            found.append(importlib.import_module(info.name))
+    return [module for module in found if module is not None]
+
+
+# Every module that binds the torch backend's `convert_to_tensor` by name
+# (`from ...core import convert_to_tensor`): Keras' ops call it through
+# their own module's name, so a replacement must be set in each.
+CONVERT_TO_TENSOR_OWNERS = tuple(
+    module
+    for module in _torch_backend_modules()
+    if module.__dict__.get("convert_to_tensor") is torch_core.convert_to_tensor
 )
 
 # Keras' weight file stores (`NpzIOStore` is gone in 3.16).

@@ -7,7 +7,10 @@ Modules, bottom first (a module imports only those above it):
   it.
 - `optimizer_update`: Keras' torch Adam update in place, on local blocks.
 - `boundary`: the model boundary, through the seam's `Layer.__call__`.
-- `compiled`: `jit_compile=True` under a distribution.
+- `regions`: `jit_compile=True` as torchtitan compiles: each repeated
+  block's call compiled once per class.
+- `compiled`: the step under `jit_compile=True`: repeated blocks compiled,
+  or the outermost call under a distribution.
 - `metric_states`: metric states summed over replicas, in the gradient
   all-reduce when it has one.
 - `gradients`: gradients aligned with their variables' layouts and averaged
