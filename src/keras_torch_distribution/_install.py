@@ -35,6 +35,7 @@ from keras_torch_distribution.fsdp import einsum_grad
 from keras_torch_distribution.fsdp import flat_shards
 from keras_torch_distribution.fsdp import gathering
 from keras_torch_distribution.fsdp import groups
+from keras_torch_distribution.training import batch_logs
 from keras_torch_distribution.training import boundary
 from keras_torch_distribution.training import compiled
 from keras_torch_distribution.training import gradients
@@ -288,6 +289,26 @@ def _fast_ops(k):
             )
             for owner in k.CONVERT_TO_TENSOR_OWNERS
         ],
+        # A batch's logs read on the host only when shown or used.
+        Patch(
+            k.CallbackList,
+            "_on_train_batch_end",
+            batch_logs.train_batch_end,
+            wrap=True,
+        ),
+        Patch(
+            k.CallbackList,
+            "_on_test_batch_end",
+            batch_logs.test_batch_end,
+            wrap=True,
+        ),
+        # SGD without reading the learning rate on the host.
+        Patch(
+            k.TorchSGD,
+            "_parallel_update_step",
+            optimizer_update.sgd_update,
+            wrap=True,
+        ),
         # The cross-entropy of (rows, classes), the class dim contiguous.
         Patch(
             k.torch_nn_module,
@@ -478,6 +499,7 @@ def _state_objects():
         metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,
         regions.compiled_blocks_state,
+        optimizer_update.updates,
         boundary.active_forward,
         gathering.state,
         groups.state,

@@ -15,6 +15,7 @@ Keras versions"; `_install.py` adds the patches only one of them needs.
 import contextlib
 import importlib
 import pkgutil
+import time
 import types
 
 import keras
@@ -44,6 +45,8 @@ from keras.src.backend.common import variables as common_variables
 from keras.src.backend.torch import random as torch_random
 from keras.src.backend.torch import trainer as torch_trainer
 from keras.src.backend.torch.optimizers import torch_adam
+from keras.src.backend.torch.optimizers import torch_sgd
+from keras.src.callbacks import callback_list
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.initializers import constant_initializers
 from keras.src.initializers import random_initializers
@@ -58,6 +61,7 @@ from keras.src.trainers import epoch_iterator
 from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter
 from keras.src.utils import file_utils
+from keras.src.utils import python_utils
 from keras.src.utils import rng_utils
 
 SUPPORTED_KERAS = ((3, 15, 1), (3, 17, 0))  # [min, max): the ones tested
@@ -203,6 +207,24 @@ def sublayers(layer, recursive=False):
     return list(layer._flatten_layers(include_self=False, recursive=recursive))
 
 
+ProgbarLogger = keras.callbacks.ProgbarLogger
+History = keras.callbacks.History
+pythonify_logs = python_utils.pythonify_logs
+is_default_callback_method = python_utils.is_default
+
+
+def progbar_redraws(logger):
+    """True when Keras' ProgbarLogger `logger` redraws its bar at its next
+    update: it shows a bar per batch (verbose=1) and has none yet, or its
+    redraw interval has passed."""
+    if getattr(logger, "verbose", 1) != 1:
+        return False
+    bar = getattr(logger, "progbar", None)
+    if bar is None:
+        return True
+    return time.time() - bar._last_update >= bar.interval
+
+
 def own_variables(layer):
     """The variables a layer created itself (not its sublayers')."""
     return list(layer._trainable_variables) + list(
@@ -274,6 +296,11 @@ def adam_slots(optimizer, variables):
 
     hats = slots(optimizer._velocity_hats) if optimizer.amsgrad else None
     return slots(optimizer._momentums), slots(optimizer._velocities), hats
+
+
+def sgd_momentum(optimizer, variable):
+    """The momentum buffer (a tensor) of `variable` in Keras' SGD."""
+    return optimizer.momentums[optimizer._get_variable_index(variable)].value
 
 
 DataAdapter = data_adapter.DataAdapter  # the base class of Keras' data adapters
@@ -502,9 +529,11 @@ Layer = keras_layer.Layer
 Model = keras_model.Model
 BaseOptimizer = base_optimizer.BaseOptimizer
 TorchAdam = torch_adam.Adam
+TorchSGD = torch_sgd.SGD
 epoch_iterator_data_adapters = epoch_iterator.data_adapters
 BackupAndRestore = keras.callbacks.BackupAndRestore
 EpochIterator = epoch_iterator.EpochIterator
+CallbackList = callback_list.CallbackList
 # `makedirs`, which Keras' callbacks and saving look up as an attribute of
 # this module (`file_utils.makedirs(...)`) when they call it.
 keras_file_utils_module = file_utils

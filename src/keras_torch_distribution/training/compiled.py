@@ -28,6 +28,7 @@ from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
 from keras_torch_distribution.log import warn_once
 from keras_torch_distribution.training import boundary
+from keras_torch_distribution.training import optimizer_update
 from keras_torch_distribution.training import regions
 
 
@@ -194,7 +195,7 @@ def _step_function(model, step, no_grad):
         # parameter's DTensor .grad with static shapes, torch 2.13). Keras'
         # train_step clears them before backward anyway (zero_grad).
         model.zero_grad(set_to_none=True)
-        with scope():
+        with scope(), optimizer_update.compiled_updates():
             if no_grad:
                 with torch.no_grad():
                     return step(data[0])
