@@ -28,6 +28,10 @@ variable, the value and what is accepted:
 - KTD_FSDP_PREFETCH: how many FSDP groups' gathers may be in flight ahead
   of the one in use, in forward and in backward; 0 turns prefetch off;
   default 1 on CUDA, 0 on CPU (the caller's default).
+- KTD_FAST_OPS: "1" (default) runs the package's faster versions of
+  Keras' own torch ops and steps (no copy from the host for a Python
+  number, einsum as a matrix product, the cross-entropy on rows; each
+  gives Keras' numbers); "0" leaves Keras' own everywhere.
 - KTD_MAX_RESTARTS: how many times the local processes `initialize()`
   starts are started again after one of them fails (torchrun's
   --max-restarts for them), an integer >= 0; default 0.
@@ -191,6 +195,21 @@ def fsdp_prefetch(default):
             "CUDA, 0 on CPU)."
         )
     return value
+
+
+def fast_ops():
+    """KTD_FAST_OPS as a bool; True when it is unset."""
+    text = os.environ.get("KTD_FAST_OPS")
+    if text is None:
+        return True
+    if text.strip() not in ("0", "1"):
+        raise ValueError(
+            f"KTD_FAST_OPS={text!r} is neither '1' (the package's faster "
+            "versions of Keras' torch ops, with Keras' numbers: the default) "
+            "nor '0' (Keras' own ops everywhere). Set one of those, or unset "
+            "it."
+        )
+    return text.strip() == "1"
 
 
 def max_restarts():

@@ -13,10 +13,14 @@ import warnings
 
 import keras
 
+from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
 from keras_torch_distribution import _saving
+from keras_torch_distribution._backend import core as backend_core
 from keras_torch_distribution._backend import distribution_lib
 from keras_torch_distribution._backend import keras_ops
+from keras_torch_distribution._backend import nn as backend_nn
+from keras_torch_distribution._backend import numpy as backend_numpy
 from keras_torch_distribution._batch import adapter
 from keras_torch_distribution._batch import position
 from keras_torch_distribution._batch import random_slices
@@ -30,11 +34,13 @@ from keras_torch_distribution._fsdp import gathering
 from keras_torch_distribution._fsdp import groups
 from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
+from keras_torch_distribution._training import batch_logs
 from keras_torch_distribution._training import boundary
 from keras_torch_distribution._training import compiled
 from keras_torch_distribution._training import gradients
 from keras_torch_distribution._training import metric_states
 from keras_torch_distribution._training import optimizer_update
+from keras_torch_distribution._training import regions
 from keras_torch_distribution._training import replica_start
 from keras_torch_distribution._training import trainer
 from keras_torch_distribution._variables import born_sharded
@@ -74,6 +80,7 @@ def _patch_table():
     (`_variables.sharded_init`).
     """
     k = _keras
+    fast = _env.fast_ops()
     return [
         # The backend module keras.distribution calls.
         Patch(k.keras_backend_module, "distribution_lib", distribution_lib),
@@ -112,8 +119,14 @@ def _patch_table():
         Patch(k.TorchVariable, "__array__", born_sharded.to_numpy, wrap=True),
         Patch(k.TorchVariable, "__repr__", born_sharded.describe, wrap=True),
         # Under FSDP, einsum keeps its operands for backward (gathered
-        # kernels are then regathered), not copies of them.
-        Patch(k.torch_numpy_module, "einsum", einsum_grad.einsum, wrap=True),
+        # kernels are then regathered), not copies of them (with the fast
+        # ops, a matrix product where the equation is one, first).
+        Patch(
+            k.torch_numpy_module,
+            "einsum",
+            backend_numpy.einsum if fast else einsum_grad.einsum,
+            wrap=True,
+        ),
         *[
             Patch(owner, "convert_to_numpy", keras_ops.to_numpy, wrap=True)
             for owner in k.CONVERT_TO_NUMPY_OWNERS
@@ -146,6 +159,13 @@ def _patch_table():
             wrap=True,
         ),
         Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
+        # No Keras name scope while dynamo traces a compiled block.
+        Patch(
+            k.Layer,
+            "_open_name_scope",
+            regions.name_scope_while_compiling,
+            wrap=True,
+        ),
         Patch(k.Layer, "_get_own_losses", boundary.plain_losses, wrap=True),
         Patch(
             k.Layer,
@@ -250,6 +270,53 @@ def _patch_table():
             wrap=True,
         ),
         *_native_distribution_off(k),
+        *(_fast_ops(k) if fast else []),
+    ]
+
+
+def _fast_ops(k):
+    """Keras' own torch ops made faster, each with Keras' numbers
+    (KTD_FAST_OPS=0 leaves them out; the einsum row above then wraps
+    Keras' einsum for FSDP only)."""
+    return [
+        # A Python number becomes a tensor on the device without a copy
+        # from the host (no host sync).
+        *[
+            Patch(
+                owner,
+                "convert_to_tensor",
+                backend_core.convert_to_tensor,
+                wrap=True,
+            )
+            for owner in k.CONVERT_TO_TENSOR_OWNERS
+        ],
+        # A batch's logs read on the host only when shown or used.
+        Patch(
+            k.CallbackList,
+            "_on_train_batch_end",
+            batch_logs.train_batch_end,
+            wrap=True,
+        ),
+        Patch(
+            k.CallbackList,
+            "_on_test_batch_end",
+            batch_logs.test_batch_end,
+            wrap=True,
+        ),
+        # SGD without reading the learning rate on the host.
+        Patch(
+            k.TorchSGD,
+            "_parallel_update_step",
+            optimizer_update.sgd_update,
+            wrap=True,
+        ),
+        # The cross-entropy of (rows, classes), the class dim contiguous.
+        Patch(
+            k.torch_nn_module,
+            "sparse_categorical_crossentropy",
+            backend_nn.sparse_categorical_crossentropy,
+            wrap=True,
+        ),
     ]
 
 
@@ -432,6 +499,8 @@ def _state_objects():
         gradients.optimizer_sync,
         metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,
+        regions.compiled_blocks_state,
+        optimizer_update.updates,
         boundary.active_forward,
         gathering.state,
         groups.state,

@@ -13,6 +13,9 @@ Keras versions"; `_install.py` adds the patches only one of them needs.
 """
 
 import contextlib
+import importlib
+import pkgutil
+import time
 import types
 
 import keras
@@ -42,6 +45,8 @@ from keras.src.backend.common import variables as common_variables
 from keras.src.backend.torch import random as torch_random
 from keras.src.backend.torch import trainer as torch_trainer
 from keras.src.backend.torch.optimizers import torch_adam
+from keras.src.backend.torch.optimizers import torch_sgd
+from keras.src.callbacks import callback_list
 from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.initializers import constant_initializers
 from keras.src.initializers import random_initializers
@@ -56,6 +61,7 @@ from keras.src.trainers import epoch_iterator
 from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter
 from keras.src.utils import file_utils
+from keras.src.utils import python_utils
 from keras.src.utils import rng_utils
 
 SUPPORTED_KERAS = ((3, 15, 1), (3, 17, 0))  # [min, max): the ones tested
@@ -149,6 +155,17 @@ def torch_device_scope(name):
 
 
 to_torch_dtype = torch_core.to_torch_dtype
+floatx = keras.config.floatx
+epsilon = keras.config.epsilon
+result_type = keras.backend.result_type
+
+
+def convert_to_tensor(x, dtype=None):
+    """Keras' torch `convert_to_tensor`, as installed (looked up when
+    called, so the package's replacement when it is in place)."""
+    return torch_core.convert_to_tensor(x, dtype=dtype)
+
+
 convert_to_numpy = torch_core.convert_to_numpy
 is_torch_dataloader = data_adapters.is_torch_dataloader
 
@@ -182,6 +199,30 @@ def raw_value_version(variable):
 def set_raw_value(variable, tensor):
     """Store `tensor` as the variable's value, as Keras' torch backend does."""
     variable._value = tensor
+
+
+def sublayers(layer, recursive=False):
+    """The layers `layer` holds, not itself: its direct ones, or with
+    `recursive` every one below it."""
+    return list(layer._flatten_layers(include_self=False, recursive=recursive))
+
+
+ProgbarLogger = keras.callbacks.ProgbarLogger
+History = keras.callbacks.History
+pythonify_logs = python_utils.pythonify_logs
+is_default_callback_method = python_utils.is_default
+
+
+def progbar_redraws(logger):
+    """True when Keras' ProgbarLogger `logger` redraws its bar at its next
+    update: it shows a bar per batch (verbose=1) and has none yet, or its
+    redraw interval has passed."""
+    if getattr(logger, "verbose", 1) != 1:
+        return False
+    bar = getattr(logger, "progbar", None)
+    if bar is None:
+        return True
+    return time.time() - bar._last_update >= bar.interval
 
 
 def own_variables(layer):
@@ -255,6 +296,11 @@ def adam_slots(optimizer, variables):
 
     hats = slots(optimizer._velocity_hats) if optimizer.amsgrad else None
     return slots(optimizer._momentums), slots(optimizer._velocities), hats
+
+
+def sgd_momentum(optimizer, variable):
+    """The momentum buffer (a tensor) of `variable` in Keras' SGD."""
+    return optimizer.momentums[optimizer._get_variable_index(variable)].value
 
 
 DataAdapter = data_adapter.DataAdapter  # the base class of Keras' data adapters
@@ -483,9 +529,11 @@ Layer = keras_layer.Layer
 Model = keras_model.Model
 BaseOptimizer = base_optimizer.BaseOptimizer
 TorchAdam = torch_adam.Adam
+TorchSGD = torch_sgd.SGD
 epoch_iterator_data_adapters = epoch_iterator.data_adapters
 BackupAndRestore = keras.callbacks.BackupAndRestore
 EpochIterator = epoch_iterator.EpochIterator
+CallbackList = callback_list.CallbackList
 # `makedirs`, which Keras' callbacks and saving look up as an attribute of
 # this module (`file_utils.makedirs(...)`) when they call it.
 keras_file_utils_module = file_utils
@@ -521,6 +569,29 @@ CONVERT_TO_NUMPY_OWNERS = (
     (keras_backend,)
     if hasattr(keras_backend, "convert_to_numpy")
     else (keras_backend.ops, torch_core)
+)
+
+
+def _torch_backend_modules():
+    """`keras.src.backend` (and its `ops` in 3.16) and every module of the
+    torch backend package (3.15: `backend.torch.*`; 3.16 adds
+    `backend.torch.ops.*`), imported."""
+    package = importlib.import_module("keras.src.backend.torch")
+    found = [keras_backend, getattr(keras_backend, "ops", None), package]
+    prefix = package.__name__ + "."
+    for info in pkgutil.walk_packages(package.__path__, prefix):
+        if not info.name.endswith("_test"):
+            found.append(importlib.import_module(info.name))
+    return [module for module in found if module is not None]
+
+
+# Every module that binds the torch backend's `convert_to_tensor` by name
+# (`from ...core import convert_to_tensor`): Keras' ops call it through
+# their own module's name, so a replacement must be set in each.
+CONVERT_TO_TENSOR_OWNERS = tuple(
+    module
+    for module in _torch_backend_modules()
+    if module.__dict__.get("convert_to_tensor") is torch_core.convert_to_tensor
 )
 
 # Keras' weight file stores (`NpzIOStore` is gone in 3.16).

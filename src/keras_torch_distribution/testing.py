@@ -1,4 +1,5 @@
-"""Run functions on N local processes (gloo, CPU) for tests.
+"""Run functions on N local processes (gloo, CPU) for tests, and count the
+ops a step dispatches.
 
     with ProcessGroupPool(2) as pool:
         results = pool.run(my_module_level_function, arg1, arg2)
@@ -8,7 +9,12 @@ joins a file-based rendezvous (no fixed ports) and then runs any number of
 module-level functions; `run` returns each rank's result, in rank order. A
 rank that raises makes `run` raise `WorkerError` with that rank's traceback;
 ranks that do not answer within `timeout` seconds are killed and
-`TimeoutError` names them. The calling process gets no process group and no
+`TimeoutError` names them.
+
+`count_ops()` counts, in a block, the aten ops dispatched and among them
+the ones that make the host wait for a GPU (`OpCounts.syncs`): exact
+counts, the same on every machine, so that a CPU test can assert what a
+GPU step would do. The calling process gets no process group and no
 environment variable from the workers. Each worker gets LOCAL_RANK=<its
 rank> (all run on one host), unless `env` sets LOCAL_RANK: on a GPU
 machine (a `env` that drops KTD_DEVICE / CUDA_VISIBLE_DEVICES) each then
@@ -17,7 +23,9 @@ computes on its own GPU.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import shutil
@@ -28,6 +36,55 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from keras_torch_distribution._processes.spawn import PARENT_PID_VARIABLE
+
+# Ops that make the host wait for the device when their operand lives on a
+# GPU: a value read on the host (`float(t)`, `if t:`, `t.item()`, a
+# data-dependent shape), and host data made a tensor (`lift_fresh`: on CUDA
+# a copy from pageable host memory). On the CPU they cost nothing, which is
+# why a CPU run counts them instead of timing them.
+SYNC_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "item",
+        "is_nonzero",
+        "nonzero",
+        "equal",
+        "_assert_async",
+        "lift_fresh",
+    }
+)
+# Host reads that dispatch no aten op on the CPU (`np.array(t)`,
+# `t.tolist()`): counted by wrapping these `torch.Tensor` methods.
+HOST_READS = ("numpy", "tolist")
+# Ops that only make views (no kernel on a GPU).
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "_reshape_alias",
+        "reshape",
+        "t",
+        "transpose",
+        "permute",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "slice",
+        "select",
+        "alias",
+        "as_strided",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "unflatten",
+        "view_as_real",
+        "view_as_complex",
+        "movedim",
+        "diagonal",
+        "narrow",
+    }
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -249,3 +306,73 @@ def run(
     """Run `function` once on `world_size` fresh processes."""
     with ProcessGroupPool(world_size, timeout=timeout) as pool:
         return pool.run(function, *args, **kwargs)
+
+
+@dataclasses.dataclass
+class OpCounts:
+    """What `count_ops()` saw: aten op name -> times dispatched, and the
+    host reads (`HOST_READS`) by method name."""
+
+    ops: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter
+    )
+    host_reads: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter
+    )
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def kernels(self) -> int:
+        """Ops that are not views: about the kernels a GPU would run."""
+        return sum(n for op, n in self.ops.items() if op not in VIEW_OPS)
+
+    @property
+    def syncs(self) -> dict[str, int]:
+        """The ops and host reads that would make the host wait for a GPU,
+        by name (empty when there were none)."""
+        found = {op: n for op, n in self.ops.items() if op in SYNC_OPS}
+        found.update(self.host_reads)
+        return found
+
+
+@contextlib.contextmanager
+def count_ops() -> Iterator[OpCounts]:
+    """Count the aten ops dispatched in the block (a `TorchDispatchMode`)
+    and the tensors read on the host; yields the `OpCounts`, filled when
+    the block ends."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = OpCounts()
+
+    class _Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts.ops[func._opname] += 1
+            return func(*args, **(kwargs or {}))
+
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    own = {name for name in HOST_READS if name in vars(torch.Tensor)}
+
+    def counted(name):
+        method = saved[name]
+
+        def read(tensor, *args, **kwargs):
+            counts.host_reads[name] += 1
+            return method(tensor, *args, **kwargs)
+
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        with _Counting():
+            yield counts
+    finally:
+        for name, method in saved.items():
+            if name in own:
+                setattr(torch.Tensor, name, method)
+            else:
+                delattr(torch.Tensor, name)

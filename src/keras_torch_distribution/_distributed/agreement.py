@@ -176,6 +176,8 @@ class StopTogether(keras.callbacks.Callback):
     every epoch of `fit`. Must be the last callback (it reads what the
     others set). Collective: every rank runs it at the same points."""
 
+    reads_batch_logs = False  # so no host read of the logs for it
+
     def __init__(self):
         super().__init__()
         self._epoch = 0

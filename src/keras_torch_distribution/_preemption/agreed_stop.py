@@ -116,6 +116,8 @@ class PreemptEvaluation(keras.callbacks.Callback):
     all-reduce of one integer per rank per batch) and exits with 128 + the
     signal; nothing is saved (evaluate changes no state). Collective."""
 
+    reads_batch_logs = False  # so no host read of the logs for it
+
     def on_test_begin(self, logs=None):
         signals.catch()
 

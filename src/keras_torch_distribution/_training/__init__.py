@@ -3,11 +3,16 @@ metrics, and Keras' training loop on N processes.
 
 Modules, bottom first (a module imports only those above it):
 
+- `batch_logs`: a batch's logs read on the host only when shown or used.
 - `overlap`: the gradient all-reduce overlapped with backward, as DDP does
   it.
-- `optimizer_update`: Keras' torch Adam update in place, on local blocks.
+- `regions`: `jit_compile=True` as torchtitan compiles: each repeated
+  block's call compiled once per class.
+- `optimizer_update`: Keras' torch Adam and SGD updates in place, on local
+  blocks, without host syncs; compiled under `jit_compile=True`.
 - `boundary`: the model boundary, through the seam's `Layer.__call__`.
-- `compiled`: `jit_compile=True` under a distribution.
+- `compiled`: the step under `jit_compile=True`: repeated blocks compiled,
+  or the outermost call under a distribution.
 - `metric_states`: metric states summed over replicas, in the gradient
   all-reduce when it has one.
 - `gradients`: gradients aligned with their variables' layouts and averaged

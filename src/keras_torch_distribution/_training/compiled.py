@@ -18,17 +18,18 @@ by user code before `fit` get this too) and Keras' flash-attention check while
 compiling.
 """
 
+import functools
 import types
 import weakref
 
 import torch
-import torch.distributed as dist
 
+from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
-from keras_torch_distribution._log import first_line
-from keras_torch_distribution._log import innermost
 from keras_torch_distribution._log import warn_once
 from keras_torch_distribution._training import boundary
+from keras_torch_distribution._training import optimizer_update
+from keras_torch_distribution._training import regions
 
 
 class CompiledForwards:
@@ -84,7 +85,7 @@ class _CompiledForward:
         try:
             return self.compiled(original, layer, *args, **kwargs)
         except Exception as error:
-            if unrecoverable_cause(error) is not None:
+            if regions.unrecoverable_cause(error) is not None:
                 # Out of memory, or a peer / the transport failed: not
                 # torch.compile's fault, and it hits one rank only (an OOM)
                 # or leaves the ranks' collectives out of step. Running
@@ -112,46 +113,9 @@ class _CompiledForward:
                 "eagerly from now on, with the same numbers. To silence "
                 "this, compile the model with jit_compile=False.",
                 self.model_name,
-                _why(error),
+                regions.why_not_compiled(error),
             )
             return outputs
-
-
-# Errors a compiled forward must not fall back from (see __call__):
-# running out of (GPU) memory, and torch.distributed's errors (DistError:
-# DistBackendError from NCCL / gloo and the watchdog, DistNetworkError,
-# DistStoreError).
-UNRECOVERABLE = tuple(
-    cls
-    for cls in (
-        getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError,
-        getattr(dist, "DistError", None),
-    )
-    if cls is not None
-)
-
-
-def unrecoverable_cause(error):
-    """The out-of-memory or torch.distributed error in `error`'s chain of
-    causes (dynamo and Keras wrap the error raised inside), or None."""
-    seen = []
-    while error is not None and not any(error is e for e in seen):
-        if isinstance(error, UNRECOVERABLE):
-            return error
-        seen.append(error)
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def _why(error):
-    """ "Type: message" of the error behind a failed compilation: the
-    innermost of its causes (torch wraps the model's own error in its
-    tracing errors, Keras in a layer-call error), with the outer type."""
-    root = innermost(error)
-    text = f"{type(root).__name__}: {first_line(root) or 'no message'}"
-    if root is not error:
-        text = f"{type(error).__name__}, caused by {text}"
-    return text
 
 
 def can_use_flash_attention(original, *args, raise_error=False, **kwargs):
@@ -170,19 +134,22 @@ def can_use_flash_attention(original, *args, raise_error=False, **kwargs):
     return original(*args, raise_error=raise_error, **kwargs)
 
 
-def compiles_under_distribution(model):
-    """True when `model` was compiled with jit_compile=True and a
-    distribution is set: its outermost call runs through torch.compile."""
-    return (
-        _keras.current_distribution() is not None
-        and getattr(model, "jit_compile", False) is True
-    )
+def compiles_step(model):
+    """True when the package makes `model`'s step under jit_compile=True:
+    under a distribution (its outermost call, or its repeated blocks,
+    through torch.compile), and, with the fast ops (KTD_FAST_OPS), for a
+    model with repeated blocks (`regions`) also without one."""
+    if getattr(model, "jit_compile", False) is not True:
+        return False
+    if _keras.current_distribution() is not None:
+        return True
+    return _env.fast_ops() and regions.has_blocks(model)
 
 
 def _builds_compiled_step(model, existing, force):
     # steps_per_execution > 1 (Keras 3.16 on torch) reaches this step one
     # batch at a time (`replica_start`).
-    return compiles_under_distribution(model) and (force or existing is None)
+    return compiles_step(model) and (force or existing is None)
 
 
 # The step kinds Keras makes functions for: kind -> whether its step runs
@@ -213,9 +180,14 @@ def make_step_function(kind, original, model, force=False):
 
 
 def _step_function(model, step, no_grad):
-    """Keras' eager one-step function, with the model's outermost call (and
-    only that call, not fit's symbolic build) through torch.compile."""
-    forward = compiled_forwards.get(model)
+    """Keras' eager one-step function, with the model's repeated blocks
+    (`regions`) or else its outermost call (and only that call, not fit's
+    symbolic build) through torch.compile."""
+    if _env.fast_ops() and regions.has_blocks(model):
+        scope = functools.partial(regions.compiled_blocks, model)
+    else:
+        forward = compiled_forwards.get(model)
+        scope = functools.partial(boundary.forward_through, model, forward)
 
     def one_step_on_data(data):
         # Gradients left by the last step would be inputs of the compiled
@@ -223,7 +195,7 @@ def _step_function(model, step, no_grad):
         # parameter's DTensor .grad with static shapes, torch 2.13). Keras'
         # train_step clears them before backward anyway (zero_grad).
         model.zero_grad(set_to_none=True)
-        with boundary.forward_through(model, forward):
+        with scope(), optimizer_update.compiled_updates():
             if no_grad:
                 with torch.no_grad():
                     return step(data[0])

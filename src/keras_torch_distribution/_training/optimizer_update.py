@@ -1,4 +1,5 @@
-"""Keras' torch Adam update, variable by variable, in place, on local blocks.
+"""Keras' torch Adam and SGD updates, in place, on local blocks, without
+host syncs, compiled into a few kernels under `jit_compile=True`.
 
 Keras' torch `Adam._parallel_update_step` (AdamW inherits it) applies each
 step as `torch._foreach_*` ops over all variables, five of them allocating a
@@ -11,13 +12,30 @@ scratch tensors per variable, on each rank's local block: a variable, its
 gradient (aligned to the variable's layout before the update) and its
 moment slots share one layout, so the update is elementwise on local blocks
 and needs no communication.
+
+Under `jit_compile=True` (`compiled_updates`, entered by the compiled
+step), the update of all the plain (and local) blocks of one dtype and
+device runs as one `torch.compile` of the same foreach sequence: Inductor
+fuses it into a few kernels over all variables, as torch's compiled
+optimizers do (a 4-block keras_hub Llama of width 512 on a CPU: 18 ms
+against 72 ms one variable at a time). The graph is made on the first
+step and reused while the variables stay the same.
+
+Keras' torch `SGD._parallel_update_step` passes the learning rate (a
+tensor) as the `alpha` of `torch._foreach_add_`, which reads it on the
+host: one GPU sync per step. `sgd_update` multiplies by it instead, with
+the same sums.
 """
+
+import contextlib
 
 import keras
 import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._log import warn_once
+from keras_torch_distribution._training import regions
 
 
 def _local_blocks(tensors):
@@ -70,6 +88,21 @@ def adam_update(original, optimizer, grads, keras_variables, learning_rate):
         every.append(blocks if blocks is not None else [value, grad] + slots)
     amsgrad = velocity_hats is not None
     scratches = _Scratches()
+    if updates.compiled:
+        # Detached aliases of the plain blocks: the same storage, without
+        # the gradients and autograd history that torch.compile would trace
+        # (a DTensor parameter's local block carries its DTensor gradient).
+        plain = [
+            [t.detach() for t in blocks]
+            for blocks in every
+            if not any(isinstance(t, DTensor) for t in blocks)
+        ]
+        for chunk in _chunks(plain, limit=None):
+            updates.run_adam(chunk, hyper, amsgrad)
+        for blocks in every:
+            if any(isinstance(t, DTensor) for t in blocks):  # mixed layouts
+                _update_one(blocks, hyper, amsgrad, scratches)
+        return
     if not _use_foreach(values[0]):
         for blocks in every:
             _update_one(blocks, hyper, amsgrad, scratches)
@@ -99,16 +132,16 @@ def _use_foreach(value):
 FOREACH_CHUNK_BYTES = 64 * 2**20
 
 
-def _chunks(every):
+def _chunks(every, limit=FOREACH_CHUNK_BYTES):
     """`every` (per variable: value, grad, m, v[, v_hat] plain tensors) in runs
-    of consecutive variables of one dtype and device up to FOREACH_CHUNK_BYTES
-    (a larger variable is a chunk of its own)."""
+    of consecutive variables of one dtype and device up to `limit` bytes (a
+    larger variable is a chunk of its own; None: no limit)."""
     chunk, size = [], 0
     for blocks in every:
         value = blocks[0]
         nbytes = value.numel() * value.element_size()
         if chunk and (
-            size + nbytes > FOREACH_CHUNK_BYTES
+            (limit is not None and size + nbytes > limit)
             or not _same_kind(chunk[0][0], value)
         ):
             yield chunk
@@ -188,3 +221,87 @@ class _Scratches:
                 tensor.numel(), dtype=tensor.dtype, device=tensor.device
             )
         return buffer[: tensor.numel()].view(tensor.shape)
+
+
+class CompiledUpdates:
+    """Whether the update in progress runs compiled (`compiled_updates`),
+    and the compiled foreach sequence, made once; eager (after one
+    warning) once torch.compile cannot run it."""
+
+    def __init__(self):
+        self.clear()
+
+    def run_adam(self, chunk, hyper, amsgrad):
+        """`_update_together(chunk, hyper, amsgrad)`, compiled."""
+        if self._error is None:
+            if self._adam is None:
+                self._adam = torch.compile(
+                    _update_together,
+                    dynamic=False,
+                    options={"fx_graph_cache": False},
+                )
+            try:
+                return self._adam(chunk, hyper, amsgrad)
+            except Exception as error:
+                if regions.unrecoverable_cause(error) is not None:
+                    raise
+                # Raised while compiling, before any variable changed.
+                self._error = error
+                warn_once(
+                    "jit-compile-optimizer-fallback",
+                    "jit_compile=True: torch.compile could not run the "
+                    "optimizer update (%s); it runs eagerly from now on, with "
+                    "the same numbers.",
+                    regions.why_not_compiled(error),
+                )
+        return _update_together(chunk, hyper, amsgrad)
+
+    def clear(self):
+        self.compiled = False
+        self._adam = None
+        self._error = None
+
+
+updates = CompiledUpdates()
+
+
+@contextlib.contextmanager
+def compiled_updates():
+    """Within the block (a step of a model compiled with jit_compile=True),
+    optimizer updates run through torch.compile."""
+    saved = updates.compiled
+    updates.compiled = True
+    try:
+        yield
+    finally:
+        updates.compiled = saved
+
+
+@torch.no_grad()
+def sgd_update(original, optimizer, grads, keras_variables, learning_rate):
+    """Replaces Keras' torch `SGD._parallel_update_step`: the same update,
+    the learning rate multiplied in on the device instead of passed as
+    `alpha` (which torch reads on the host)."""
+    del original
+    variables = [v.value for v in keras_variables]
+    lr = keras.ops.convert_to_tensor(learning_rate)
+    negative_lr = -lr.to(variables[0].dtype)
+    if optimizer.momentum != 0:
+        bufs = [
+            _keras.sgd_momentum(optimizer, variable)
+            for variable in keras_variables
+        ]
+        for i in range(len(bufs)):
+            if bufs[i] is None:
+                bufs[i] = torch.clone(grads[i]).detach()
+        torch._foreach_mul_(bufs, optimizer.momentum)
+        torch._foreach_add_(bufs, torch._foreach_mul(grads, negative_lr))
+        if optimizer.nesterov:
+            torch._foreach_add_(
+                variables, torch._foreach_mul(grads, negative_lr)
+            )
+            torch._foreach_add_(variables, bufs, alpha=optimizer.momentum)
+        else:
+            torch._foreach_add_(variables, bufs)
+    else:
+        torch._foreach_add_(variables, torch._foreach_mul(grads, negative_lr))

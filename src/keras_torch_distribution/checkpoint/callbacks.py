@@ -98,6 +98,8 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     Every rank must run the callback (saving is collective).
     """
 
+    reads_batch_logs = False  # so no host read of the logs for it
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
