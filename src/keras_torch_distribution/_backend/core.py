@@ -15,8 +15,8 @@ Here such a number becomes `torch.full((), x, dtype=..., device=...)`: a
 fill kernel queued on the device like any other, no host wait. The dtype
 rules are Keras' own (a bool is bool, an int int32 or int64 by its range,
 a float `floatx()`, or the dtype asked for), and the value is the one
-`torch.as_tensor` makes (each dtype's rounding of the Python number; a
-float out of a dtype's range is left to Keras, where it becomes inf).
+`torch.as_tensor` makes (each dtype's rounding of the Python number, inf
+beyond its range).
 A tensor in host memory bound for a GPU (each batch `fit` feeds the
 model) is copied through pinned memory with `non_blocking=True`, as
 torch's `DataLoader(pin_memory=True)` recipes do, instead of Keras'
@@ -52,15 +52,12 @@ def convert_to_tensor(original, x, dtype=None, sparse=None, ragged=None):
                 if device.type == "cuda":
                     return _pinned_copy(x, device, dtype)
         elif isinstance(x, _NUMBERS):
-            torch_dtype = _dtype_of(x, dtype)
-            if _fits(x, torch_dtype):
-                return _filled(x, torch_dtype)
+            return _filled(x, _dtype_of(x, dtype))
         elif _short_numbers(x):
             torch_dtype = _keras.to_torch_dtype(
                 dtype or _keras.result_type(*(type(n) for n in x))
             )
-            if all(_fits(n, torch_dtype) for n in x):
-                return torch.stack([_filled(n, torch_dtype) for n in x])
+            return torch.stack([_filled(n, torch_dtype) for n in x])
     return original(x, dtype=dtype, sparse=sparse, ragged=ragged)
 
 
@@ -75,8 +72,12 @@ def _pinned_copy(x, device, dtype):
 
 
 def _filled(number, torch_dtype):
+    """`number` in a 0-dim tensor of `torch_dtype` on Keras' device."""
     return torch.full(
-        (), number, dtype=torch_dtype, device=_keras.torch_device()
+        (),
+        _in_range(number, torch_dtype),
+        dtype=torch_dtype,
+        device=_keras.torch_device(),
     )
 
 
@@ -100,11 +101,19 @@ def _dtype_of(x, dtype):
     return _keras.to_torch_dtype(_keras.floatx())
 
 
-def _fits(x, torch_dtype):
-    """False for a finite number beyond a floating dtype's range, which
-    `torch.full` refuses and Keras turns into inf."""
+def _in_range(x, torch_dtype):
+    """`x`, or, for a number beyond a floating dtype's range (which
+    `torch.full` refuses), the value Keras' conversion gives it (inf, or
+    the largest finite value it rounds to), worked out on the host."""
     if not torch_dtype.is_floating_point or isinstance(x, bool):
-        return True
+        return x
     if isinstance(x, float) and not math.isfinite(x):
-        return True
-    return abs(x) <= torch.finfo(torch_dtype).max
+        return x
+    info = torch.finfo(torch_dtype)
+    if abs(x) <= info.max:
+        return x
+    # Round to nearest: past the largest value by half a step at that
+    # magnitude is inf, nearer is the largest value.
+    half_step = info.eps * info.max / (2 - info.eps) / 2
+    largest = info.max if abs(x) < info.max + half_step else math.inf
+    return math.copysign(largest, x)

@@ -15,7 +15,9 @@ reshaped back: the same formula as Keras' (`F.cross_entropy` from logits;
 from probabilities, Keras' normalisation, clipping and log, then
 `F.nll_loss`), per row. Everything else (other class axes, two dims or
 fewer, DTensors, shapes Keras refuses) goes to Keras' own, which raises
-Keras' own errors.
+Keras' own errors. (From probabilities of four dims or more, Keras' own
+cannot be differentiated on torch 2.13: `nll_loss2d`'s backward refuses
+the strided class dim. On rows it can.)
 """
 
 import torch
