@@ -319,6 +319,11 @@ class OpCounts:
     host_reads: collections.Counter = dataclasses.field(
         default_factory=collections.Counter
     )
+    # (op or host read, "file:line" of the innermost frame outside torch's
+    # dispatch machinery) -> times: where each sync was issued.
+    sync_sources: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter
+    )
 
     @property
     def total(self) -> int:
@@ -351,6 +356,8 @@ def count_ops() -> Iterator[OpCounts]:
     class _Counting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             counts.ops[func._opname] += 1
+            if func._opname in SYNC_OPS:
+                counts.sync_sources[(func._opname, _issuer())] += 1
             return func(*args, **(kwargs or {}))
 
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
@@ -361,6 +368,7 @@ def count_ops() -> Iterator[OpCounts]:
 
         def read(tensor, *args, **kwargs):
             counts.host_reads[name] += 1
+            counts.sync_sources[(name, _issuer())] += 1
             return method(tensor, *args, **kwargs)
 
         return read
@@ -376,3 +384,33 @@ def count_ops() -> Iterator[OpCounts]:
                 setattr(torch.Tensor, name, method)
             else:
                 delattr(torch.Tensor, name)
+
+
+# Frames of torch's dispatch machinery and of the counting itself, skipped
+# when naming where a sync was issued.
+_MACHINERY = (
+    os.path.join("torch", "utils", "_python_dispatch.py"),
+    os.path.join("torch", "_ops.py"),
+    os.path.join("torch", "_tensor.py"),
+    os.path.join("torch", "_compile.py"),
+    os.path.join("torch", "_dynamo", "eval_frame.py"),
+    os.path.join("torch", "_jit_internal.py"),
+    os.path.join("torch", "utils", "_contextlib.py"),
+    __file__,
+)
+
+
+def _issuer() -> str:
+    """ "path:line" of the innermost frame outside the dispatch machinery,
+    the path from its `site-packages` (or the package) on."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.endswith(_MACHINERY):
+            path = frame.filename.replace(os.sep, "/")
+            for marker in ("site-packages/", "src/"):
+                if marker in path:
+                    path = path.split(marker, 1)[1]
+                    break
+            return f"{path}:{frame.lineno}"
+    return "?"
