@@ -57,8 +57,21 @@ sys.path.insert(0, HERE)
 # bf16 dense peak of one GPU, for MFU; by device name.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}
 
-SPEED_MODES = ("torch", "keras", "ktd_dp", "ktd_mp", "keras_jit", "ktd_dp_jit")
-SPEED_MODE_TIMEOUT = 240
+# In order of what a short run needs first: raw torch, the package eager and
+# compiled, Keras on JAX (where JAX is installed, added after ktd_jit), then
+# the rest. Plain Keras' own jit_compile compiles for minutes: last.
+SPEED_MODES = (
+    "torch",
+    "ktd_jit",
+    "ktd",
+    "torch_compile",
+    "keras",
+    "ktd_dp_jit",
+    "ktd_dp",
+    "ktd_mp",
+    "keras_jit",
+)
+SPEED_MODE_TIMEOUT = 300
 
 # Tolerances of a world-1 fit against plain Keras, relative to the loss.
 TOLERANCE = {"float32": 1e-5, "mixed_bfloat16": 2e-2}
@@ -323,7 +336,7 @@ def _run_speed(name):
     try:
         import jax  # noqa: F401
 
-        modes.append("keras_jax")
+        modes.insert(modes.index("ktd_jit") + 1, "keras_jax")
     except ImportError:
         pass
     chosen = os.environ.get("KTD_GPU_CHECK_SPEED_MODES")
@@ -343,18 +356,17 @@ def _run_speed(name):
         "seconds": round(sum(r["seconds"] for r in runs.values()), 1),
     }
     keras_run = runs.get("keras", {})
+    torch_run = runs.get("torch", {})
+    for mode, run in runs.items():
+        if run.get("status") != "ok":
+            continue
+        if torch_run.get("status") == "ok":
+            run["time_vs_torch"] = run["step_ms"] / torch_run["step_ms"]
+        if keras_run.get("status") == "ok":
+            run["time_vs_keras"] = run["step_ms"] / keras_run["step_ms"]
     if keras_run.get("status") == "ok":
-        for mode in (
-            "ktd_dp",
-            "ktd_mp",
-            "torch",
-            "keras_jax",
-            "keras_jit",
-            "ktd_dp_jit",
-        ):
-            run = runs.get(mode, {})
+        for mode, run in runs.items():
             if run.get("status") == "ok":
-                run["time_vs_keras"] = run["step_ms"] / keras_run["step_ms"]
                 if mode.startswith("ktd") or mode == "keras_jit":
                     diff = max(
                         abs(a - b) / abs(b)
@@ -459,13 +471,16 @@ def summarize(report):
             for mode, run in result["modes"].items():
                 if run.get("status") == "ok":
                     line += (
-                        f"\n      {mode:10} {run['step_ms']:8.1f} ms/step "
-                        f"{run['tokens_per_s']:10.0f} tok/s  MFU "
-                        f"{run.get('mfu', 0):.3f}  peak {run['peak_mib']:.0f} "
-                        "MiB"
+                        f"\n      {mode:13} {run['step_ms']:8.1f} ms/step "
+                        f"({run.get('time_vs_torch', 0):.2f}x torch) "
+                        f"{run['tokens_per_s']:9.0f} tok/s  MFU "
+                        f"{run.get('mfu') or 0:.3f}  first step "
+                        f"{run['first_s']:6.1f} s  syncs "
+                        f"{run.get('syncs_in_timed_steps')}  peak "
+                        f"{run.get('peak_mib') or 0:.0f} MiB"
                     )
                 else:
-                    line += f"\n      {mode:10} {run.get('status')}"
+                    line += f"\n      {mode:13} {run.get('status')}"
         elif name == "attention" and result["status"] in ("ok", "mismatch"):
             for row in result["kernels"]:
                 line += (
@@ -1091,13 +1106,15 @@ def child_sanitizer(mode):
     return _world_child(2)
 
 
-def child_speed(mode):
-    """One mode's train steps of the ~1.1 B keras_hub Llama, bf16."""
-    import numpy as np
-
+def _speed_shape():
+    """The ~1.1 B keras_hub Llama of the speed section (4 x 512 tokens a
+    step); KTD_GPU_CHECK_SPEED_SHAPE=tiny: a small one that runs on a CPU
+    in seconds (to try the section's code without a GPU)."""
     import llama_shapes
 
-    shape = llama_shapes.Shape(
+    if os.environ.get("KTD_GPU_CHECK_SPEED_SHAPE") == "tiny":
+        return llama_shapes.Shape(global_batch=4)
+    return llama_shapes.Shape(
         vocab=32000,
         hidden=2048,
         layers=16,
@@ -1107,112 +1124,31 @@ def child_speed(mode):
         seq=512,
         global_batch=4,
     )
-    warmup, steps = 3, 10
-    profiled = PROFILED_STEPS if mode in PROFILED_MODES else 0
+
+
+def child_speed(mode):
+    """One mode's steps of the speed section's keras_hub Llama, bf16: the
+    time from building to the end of the first step (compiling included),
+    the losses of the first steps, then `SPEED_STEPS` steps timed together
+    (one device sync at each end, none between: the host runs ahead as it
+    would in training), with torch's sync debug mode counting the host
+    syncs they make."""
+
+    import llama_shapes
+
+    shape = _speed_shape()
+    warmup, steps = 3, SPEED_STEPS
+    total = 1 + warmup + steps
     x, y = llama_shapes.arrays(
         0,
         llama_shapes.Shape(
-            **dict(
-                shape._asdict(),
-                global_batch=shape.global_batch * (warmup + steps + profiled),
-            )
+            **dict(shape._asdict(), global_batch=shape.global_batch * total)
         ),
     )
     tokens = shape.global_batch * shape.seq
-    if mode == "torch":
-        import torch
-
-        torch.manual_seed(0)
-        model = llama_shapes.torch_causal_lm(shape).cuda()
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-        times, losses = [], []
-        torch.cuda.reset_peak_memory_stats()
-        for i in range(warmup + steps):
-            rows = slice(i * shape.global_batch, (i + 1) * shape.global_batch)
-            xb = torch.as_tensor(x[rows]).long().cuda()
-            yb = torch.as_tensor(y[rows]).long().cuda()
-            start = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                step = llama_shapes.torch_train_step(model, optimizer, xb, yb)
-                step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            losses.append(float(step.last_loss))
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        import keras
-        import keras_hub
-
-        if mode.startswith("ktd"):
-            import keras_torch_distribution  # noqa: F401
-
-            keras.distribution.initialize()
-            if mode.startswith("ktd_dp"):
-                keras.distribution.set_distribution(
-                    keras.distribution.DataParallel()
-                )
-            else:
-                devices = keras.distribution.list_devices()
-                mesh = keras.distribution.DeviceMesh(
-                    (1, len(devices)), ["batch", "model"], devices
-                )
-                keras.distribution.set_distribution(
-                    keras.distribution.ModelParallel(
-                        layout_map=keras_hub.models.LlamaBackbone.get_layout_map(
-                            mesh
-                        ),
-                        batch_dim_name="batch",
-                    )
-                )
-        keras.config.set_dtype_policy("mixed_bfloat16")
-        keras.utils.set_random_seed(0)
-        model = llama_shapes.keras_causal_lm(keras, keras_hub, shape)
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-4),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            weighted_metrics=[],
-            jit_compile=mode.endswith("_jit"),
-        )
-        times, losses = [], []
-
-        profile = {}
-
-        class Timer(keras.callbacks.Callback):
-            def on_train_batch_begin(self, batch, logs=None):
-                _sync(mode)
-                if profiled and batch == warmup + steps:
-                    profile["profiler"] = _start_profiler()
-                self.start = time.perf_counter()
-
-            def on_train_batch_end(self, batch, logs=None):
-                _sync(mode)
-                times.append(time.perf_counter() - self.start)
-                losses.append(float(logs["loss"]))
-
-        _reset_peak(mode)
-        model.fit(
-            llama_shapes.keras_inputs(x),
-            y,
-            batch_size=shape.global_batch,
-            epochs=1,
-            shuffle=False,
-            verbose=0,
-            callbacks=[Timer()],
-        )
-        peak = _peak(mode)
-        if "profiler" in profile:
-            profile["profiler"].stop()
-            averages = profile["profiler"].key_averages()
-            profile = {
-                "steps": profiled,
-                "by_self_cpu": averages.table(
-                    sort_by="self_cpu_time_total", row_limit=25
-                ),
-                "by_self_cuda": averages.table(
-                    sort_by="self_device_time_total", row_limit=15
-                ),
-            }
-    step_s = float(np.median(times[warmup : warmup + steps]))
+    runner = _torch_speed if mode.startswith("torch") else _keras_speed
+    measured = runner(mode, shape, x, y, warmup, steps)
+    step_s = measured.pop("seconds") / steps
     flops = 6 * shape.parameters() * tokens
     peak_flops = _peak_flops()
     return {
@@ -1222,11 +1158,232 @@ def child_speed(mode):
         "step_ms": step_s * 1e3,
         "tokens_per_s": tokens / step_s,
         "mfu": flops / step_s / peak_flops if peak_flops else None,
-        "peak_mib": peak / 2**20 if peak else None,
-        "losses": losses[: warmup + 2],
-        "first_step_ms": times[0] * 1e3,
-        **({"profile": profile} if mode != "torch" and profile else {}),
+        **measured,
     }
+
+
+SPEED_STEPS = 10
+
+
+def _rows(shape, index):
+    return slice(index * shape.global_batch, (index + 1) * shape.global_batch)
+
+
+def _torch_speed(mode, shape, x, y, warmup, steps):
+    """Raw torch: eager, or each block compiled (`block.compile()`, as
+    torchtitan does); bf16 autocast; torch's Adam (fused on CUDA)."""
+    import torch
+
+    import llama_shapes
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    model = llama_shapes.torch_causal_lm(shape).to(device)
+    if mode == "torch_compile":
+        for block in model.blocks:
+            block.compile()
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=1e-4, fused=device == "cuda"
+    )
+    batches = [
+        (
+            torch.as_tensor(x[_rows(shape, i)]).long().to(device),
+            torch.as_tensor(y[_rows(shape, i)]).long().to(device),
+        )
+        for i in range(1 + warmup + steps)
+    ]
+
+    def step(i):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            one = llama_shapes.torch_train_step(model, optimizer, *batches[i])
+            one()
+        return one.last_loss
+
+    _reset_peak(mode)
+    losses = [float(step(0))]
+    first_s = time.perf_counter() - started
+    losses += [float(step(i)) for i in range(1, 1 + warmup)]
+    with _counting_syncs() as syncs:
+        _sync(mode)
+        start = time.perf_counter()
+        for i in range(1 + warmup, 1 + warmup + steps):
+            step(i)
+        _sync(mode)
+        seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "first_s": first_s,
+        "losses": losses,
+        "syncs_in_timed_steps": syncs.count,
+        "peak_mib": _peak(mode) / 2**20 if _peak(mode) else None,
+    }
+
+
+def _keras_speed(mode, shape, x, y, warmup, steps):
+    """Keras: plain (the package not imported), the package without a
+    distribution, under DataParallel or ModelParallel (Llama's layout map),
+    eager or jit_compile (`_jit`), or Keras on JAX; each `fit` as a user
+    runs it, `verbose=0`."""
+    import keras
+    import keras_hub
+
+    import llama_shapes
+
+    started = time.perf_counter()
+    if mode.startswith("ktd"):
+        import keras_torch_distribution  # noqa: F401
+
+        keras.distribution.initialize()
+        if mode.startswith("ktd_dp"):
+            keras.distribution.set_distribution(
+                keras.distribution.DataParallel()
+            )
+        elif mode.startswith("ktd_mp"):
+            devices = keras.distribution.list_devices()
+            mesh = keras.distribution.DeviceMesh(
+                (1, len(devices)), ["batch", "model"], devices
+            )
+            keras.distribution.set_distribution(
+                keras.distribution.ModelParallel(
+                    layout_map=keras_hub.models.LlamaBackbone.get_layout_map(
+                        mesh
+                    ),
+                    batch_dim_name="batch",
+                )
+            )
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    model = llama_shapes.keras_causal_lm(keras, keras_hub, shape)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-4),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=[],
+        jit_compile=mode.endswith("_jit") or mode == "keras_jax",
+    )
+    losses = []
+
+    class Losses(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            losses.append(float(logs["loss"]))
+
+    def fit(first, count, callbacks):
+        rows = slice(
+            first * shape.global_batch, (first + count) * shape.global_batch
+        )
+        model.fit(
+            llama_shapes.keras_inputs(x[rows]),
+            y[rows],
+            batch_size=shape.global_batch,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+
+    _reset_peak(mode)
+    fit(0, 1, [Losses()])
+    first_s = time.perf_counter() - started
+    fit(1, warmup, [Losses()])
+    profile = {}
+    if mode in PROFILED_MODES:
+        profile["profiler"] = _start_profiler()
+    timing = _FitTiming(mode, steps)
+    fit(1 + warmup, steps, [timing])
+    if "profiler" in profile:
+        profile["profiler"].stop()
+        averages = profile["profiler"].key_averages()
+        profile = {
+            "steps": steps,
+            "by_self_cpu": averages.table(
+                sort_by="self_cpu_time_total", row_limit=25
+            ),
+            "by_self_cuda": averages.table(
+                sort_by="self_device_time_total", row_limit=15
+            ),
+        }
+    peak = _peak(mode)
+    return {
+        "seconds": timing.seconds,
+        "first_s": first_s,
+        "losses": losses,
+        "syncs_in_timed_steps": timing.syncs,
+        "peak_mib": peak / 2**20 if peak else None,
+        **({"profile": profile} if profile else {}),
+    }
+
+
+def _fit_timing_class():
+    import keras
+
+    class FitTiming(keras.callbacks.Callback):
+        """Times a fit's steps together: a device sync before the first
+        and after the last (none between); torch's sync debug mode counts
+        the syncs in between (the end of the epoch, where History reads
+        the logs, is outside)."""
+
+        reads_batch_logs = False
+
+        def __init__(self, mode, steps):
+            super().__init__()
+            self.mode, self.steps = mode, steps
+            self.seconds, self.syncs = None, None
+            self.counting = None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                _sync(self.mode)
+                self.start = time.perf_counter()
+                if self.mode != "keras_jax":
+                    self.counting = _counting_syncs()
+                    self.counted = self.counting.__enter__()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == self.steps - 1:
+                if self.counting is not None:
+                    self.counting.__exit__(None, None, None)
+                    self.syncs = self.counted.count
+                _sync(self.mode)
+                self.seconds = time.perf_counter() - self.start
+
+    return FitTiming
+
+
+def _FitTiming(mode, steps):
+    return _fit_timing_class()(mode, steps)
+
+
+class _SyncCount:
+    count = None
+
+
+class _counting_syncs:
+    """Within the block, torch's CUDA sync debug mode warns on every host
+    sync; `count` is how many there were (None without CUDA)."""
+
+    def __enter__(self):
+        import torch
+
+        self.result = _SyncCount()
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            import warnings
+
+            self.warnings = warnings.catch_warnings(record=True)
+            self.caught = self.warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self.result
+
+    def __exit__(self, *exc_info):
+        if self.cuda:
+            import torch
+
+            torch.cuda.set_sync_debug_mode("default")
+            self.warnings.__exit__(*exc_info)
+            self.result.count = sum(
+                "synchroniz" in str(w.message) for w in self.caught
+            )
 
 
 # KTD_GPU_CHECK_PROFILE=1: a torch profile of PROFILED_STEPS more steps of
@@ -1253,17 +1410,22 @@ def _start_profiler():
 
 def _sync(mode):
     if mode == "keras_jax":
-        return  # Keras' logs are already on the host when callbacks read them
+        import jax
+
+        jax.effects_barrier()
+        return
     import torch
 
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _reset_peak(mode):
     if mode != "keras_jax":
         import torch
 
-        torch.cuda.reset_peak_memory_stats()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
 
 
 def _peak(mode):
@@ -1274,6 +1436,8 @@ def _peak(mode):
         return stats.get("peak_bytes_in_use")
     import torch
 
+    if not torch.cuda.is_available():
+        return None
     return torch.cuda.max_memory_allocated()
 
 
