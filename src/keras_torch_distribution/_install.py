@@ -26,6 +26,7 @@ from keras_torch_distribution._batch import position
 from keras_torch_distribution._batch import random_slices
 from keras_torch_distribution._batch import sync_batch_norm
 from keras_torch_distribution._distributed import layouts
+from keras_torch_distribution._distributed import masked_lookup
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._distributed import sharding_rules
 from keras_torch_distribution._fsdp import einsum_grad
@@ -309,6 +310,20 @@ def _fast_ops(k):
             "_parallel_update_step",
             optimizer_update.sgd_update,
             wrap=True,
+        ),
+        # torch's DTensor: a vocabulary-sharded lookup's masked rows zeroed
+        # without a host sync.
+        *(
+            [
+                Patch(
+                    masked_lookup.MaskBuffer,
+                    "apply_mask",
+                    masked_lookup.apply_mask,
+                    wrap=True,
+                )
+            ]
+            if masked_lookup.MaskBuffer is not None
+            else []
         ),
         # The cross-entropy of (rows, classes), the class dim contiguous.
         Patch(

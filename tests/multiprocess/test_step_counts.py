@@ -8,9 +8,11 @@ Counted on the CPU with a `TorchDispatchMode` (`testing.count_ops`): the
 ops that would make the host wait for a GPU (a device value read on the
 host, host data copied to the device) in one `fit` step after two, its
 batch-end callbacks included. The counts are exact and the same on every
-machine. Under tensor parallelism torch's own DTensor code reads two
-things on the host that a GPU run keeps there (see `TORCH_HOST_SITES`):
-they are allowed, by where they are issued, and nothing else is.
+machine. Under tensor parallelism torch's own DTensor code reads one
+thing on the host that a GPU run keeps there (see `TORCH_HOST_SITES`): it
+is allowed, by where it is issued, and nothing else is (torch's zeroing
+of a vocabulary-sharded lookup's other rows, a boolean `index_put_` that
+syncs on a GPU, is replaced: `_distributed/masked_lookup.py`).
 """
 
 import numpy as np
@@ -24,12 +26,8 @@ COUNTED_BATCH = 2
 
 # Reads of host data inside torch's DTensor code, which on a GPU run stay
 # on the host: `_StridedShard` offsets come from a CPU `torch.arange`
-# (`.tolist()`), and the vocabulary mask of a sharded embedding lookup is
-# set with a Python number (`lift_fresh` of 0.0, a fill on the GPU).
-TORCH_HOST_SITES = (
-    "torch/distributed/tensor/placement_types.py",
-    "torch/distributed/tensor/_ops/_mask_buffer.py",
-)
+# (`.tolist()`).
+TORCH_HOST_SITES = ("torch/distributed/tensor/placement_types.py",)
 
 
 def _llama(heads, kv_heads, jit_compile):

@@ -5,6 +5,9 @@ Modules, bottom first (a module imports only those above it):
 
 - `sharding_rules`: DTensor rules torch lacks or gets wrong; `uninstall()`
   gives torch its own back.
+- `masked_lookup`: a vocabulary-sharded lookup's other rows zeroed without
+  a host sync (torch's `MaskBuffer.apply_mask`, replaced through the patch
+  table).
 - `layouts`: Keras `DeviceMesh` / `TensorLayout` onto torch meshes and
   placements.
 - `tensors`: plain tensors to and from DTensors of a layout.
