@@ -401,3 +401,21 @@ def test_fast_ops_setting_refuses_other_values(monkeypatch):
     monkeypatch.setenv("KTD_FAST_OPS", "yes")
     with pytest.raises(ValueError, match="KTD_FAST_OPS='yes'"):
         _env.fast_ops()
+
+
+def test_repr_of_a_variable_reads_no_value_while_torch_compiles():
+    """Dynamo on torch 2.11/2.12 calls `repr` of the variables it guards
+    on; Keras' repr copies the value to the host."""
+    from torch._guards import CompileContext
+    from torch._guards import CompileId
+    from torch._guards import compile_context
+
+    variable = keras.Variable(np.ones((2, 3)), name="kernel")
+    with testing.count_ops() as counts:
+        assert "[[1." in repr(variable)  # Keras' own: the value, read
+    assert counts.host_reads["numpy"] >= 1
+    context = CompileContext(CompileId(frame_id=0, frame_compile_id=0))
+    with compile_context(context):
+        with testing.count_ops() as counts:
+            text = repr(variable)
+    assert "shape=(2, 3)" in text and counts.syncs == {}

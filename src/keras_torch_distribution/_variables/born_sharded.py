@@ -13,6 +13,7 @@ Only float and complex variables that are trainable require grad.
 
 import keras
 import torch
+from torch._guards import CompileContext
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
@@ -285,10 +286,19 @@ def to_numpy(original, variable, dtype=None, copy=None):
 
 
 def describe(original, variable):
-    """Keras `Variable.__repr__`, which never runs a collective."""
+    """Keras `Variable.__repr__`, which never runs a collective, and while
+    torch compiles a frame never reads the value: dynamo on torch
+    2.11/2.12 calls `repr` of every variable it builds a guard on, and
+    Keras' repr copies the value to the host (on a GPU, a sync per
+    variable; pytorch#184796 stops the calls in 2.13)."""
     value = _keras.raw_value(variable)
     if not isinstance(value, DTensor):
-        return original(variable)
+        if CompileContext.try_get() is None:
+            return original(variable)
+        return (
+            f"<Variable path={variable.path}, shape={variable.shape}, "
+            f"dtype={variable.dtype}>"
+        )
     axes = tuple(layouts.resolved_layout(variable).axes)
     return (
         f"<Variable path={variable.path}, shape={variable.shape}, "
