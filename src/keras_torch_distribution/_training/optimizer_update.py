@@ -131,16 +131,17 @@ def _use_foreach(value):
 FOREACH_CHUNK_BYTES = 64 * 2**20
 
 
-def _chunks(every, limit=FOREACH_CHUNK_BYTES):
+def _chunks(every):
     """`every` (per variable: value, grad, m, v[, v_hat] plain tensors) in runs
-    of consecutive variables of one dtype and device up to `limit` bytes (a
-    larger variable is a chunk of its own; None: no limit)."""
+    of consecutive variables of one dtype and device up to FOREACH_CHUNK_BYTES
+    (a larger variable is a chunk of its own)."""
+    limit = FOREACH_CHUNK_BYTES
     chunk, size = [], 0
     for blocks in every:
         value = blocks[0]
         nbytes = value.numel() * value.element_size()
         if chunk and (
-            (limit is not None and size + nbytes > limit)
+            size + nbytes > limit
             or not _same_kind(chunk[0][0], value)
         ):
             yield chunk
