@@ -92,6 +92,8 @@ class _RankPrefix(logging.Formatter):
         return text
 
     def __getattr__(self, name):  # the inner formatter's own attributes
+        if name == "inner":  # (not set yet: a copy being made)
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
