@@ -148,6 +148,12 @@ def test_rank_0_speaks_for_the_job(launched):
         "[ktd rank 0] WARNING:keras_torch_distribution:the package's warning "
         "after basicConfig" in err
     )
+    # Keras' warning from under the patched data adapter, at the user's line.
+    assert re.search(
+        r"user_mistakes\.py:\d+: UserWarning: `shuffle=True` was passed", err
+    ), err
+    assert err.count("`shuffle=True` was passed") == 1
+    assert "adapter.py" not in err
     assert "rank 1" not in err
     out = result.stdout.splitlines()
     assert out.count("printed by rank 0 only") == 1

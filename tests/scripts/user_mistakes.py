@@ -9,7 +9,9 @@
 - sleep: both ranks print "ready", then sleep (stopped by Ctrl-C);
 - speak: a Python warning, another library's log line, the package's
   log lines before and after `logging.basicConfig`, `rank_zero_print`, a
-  short `fit`; then each rank prints "done".
+  `fit` on a torch DataLoader (Keras warns that shuffle=True is ignored,
+  from under the package's patched data adapter); then each rank prints
+  "done".
 """
 
 import logging
@@ -57,7 +59,13 @@ if MODE == "speak":
     logging.basicConfig()  # as another library may do
     ktd_logger.warning("the package's warning after basicConfig")
     ktd.rank_zero_print("printed by rank 0 only")
-    model.fit(x[:8], x[:8, :2], batch_size=4, epochs=1, verbose=0)
+    import torch
+
+    rows = torch.utils.data.TensorDataset(
+        torch.ones((8, 4)), torch.ones((8, 2))
+    )
+    loader = torch.utils.data.DataLoader(rows, batch_size=4)
+    model.fit(loader, epochs=1, verbose=0)  # Keras warns: shuffle ignored
     print("done", os.environ["RANK"], flush=True)
     sys.exit(0)
 model.fit(x, x[:, :2], batch_size=127 if MODE == "batch" else 2, verbose=0)
