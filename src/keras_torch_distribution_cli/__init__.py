@@ -172,6 +172,13 @@ def main(argv=None):
 
 
 def _run(rest):
+    if not rest:  # said before torch is imported
+        print(
+            "ktd run: give a script to run, e.g. `ktd run -n 2 train.py` "
+            "(`ktd run --help` says more)",
+            file=sys.stderr,
+        )
+        return 2
     from keras_torch_distribution.launch import _torchrun
 
     try:
