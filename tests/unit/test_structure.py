@@ -24,6 +24,7 @@ ARCHITECTURE = os.path.join(
 )
 
 LAYERS = [
+    "_op_counts",  # counting dispatched ops: torch only (tests, benchmarks)
     "_keras",  # the seam: the only importer of keras.src
     "_env",  # KTD_* settings
     "_log",
