@@ -35,7 +35,10 @@ reads its step counts on the host, where they live even on a GPU: those
 reads wait for nothing and are not counted as syncs. Plain Keras is
 counted without this package installed (`_op_counts` is loaded by its
 path). Ratios are to raw
-torch's eager step of the same run. Results: benchmarks/results/
+torch's eager step of the same run. For the package, `ops_gpu_path`,
+`kernels_gpu_path` and `syncs_gpu_path` count the step as a GPU runs it
+(its Adam in foreach kernels; on a CPU it updates one variable at a
+time). Results: benchmarks/results/
 keras_step.json.
 """
 
@@ -116,6 +119,23 @@ def _counted(step):
         syncs=syncs,
         python_calls=_python_calls(step),
     )
+
+
+def _counted_gpu_path(step):
+    """The package's counts with a GPU's code path: on a CPU its Adam
+    updates one variable at a time, on a GPU (as Keras' and torch's Adam
+    on any device) in foreach kernels."""
+    from keras_torch_distribution._training import optimizer_update
+
+    saved = optimizer_update._use_foreach
+    optimizer_update._use_foreach = lambda value: True
+    try:
+        counts = _counted(step)
+    finally:
+        optimizer_update._use_foreach = saved
+    return {
+        f"{name}_gpu_path": counts[name] for name in ("ops", "kernels", "syncs")
+    }
 
 
 def _timed(run_steps, steps):
@@ -229,6 +249,8 @@ def keras_worker(mode, shape_name, steps):
         function = model.train_function
         function(batch)
         result.update(_counted(lambda: function(batch)))
+        if mode.startswith("ktd"):
+            result.update(_counted_gpu_path(lambda: function(batch)))
         del np
     return result
 
@@ -318,7 +340,15 @@ def main():
                 f"  kernels {row['kernels']:4.0f}"
                 f" ({row['kernels_vs_torch']:.2f}x)"
                 f"  syncs {row['syncs']:3.0f}"
-                f"  python calls {row['python_calls']:6.0f}"
+                + (
+                    f"  gpu path: ops {row['ops_gpu_path']:5.0f}"
+                    f" ({row['ops_gpu_path'] / base['ops']:.2f}x) kernels"
+                    f" {row['kernels_gpu_path']:4.0f}"
+                    f" ({row['kernels_gpu_path'] / base['kernels']:.2f}x)"
+                    if "ops_gpu_path" in row
+                    else ""
+                )
+                + f"  python calls {row['python_calls']:6.0f}"
                 if "ops" in row
                 else ""
             )
