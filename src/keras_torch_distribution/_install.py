@@ -325,6 +325,14 @@ def _fast_ops(k):
             if masked_lookup.MaskBuffer is not None
             else []
         ),
+        # A floating tensor to a Python number's power: the number stays a
+        # number (no tensor-to-tensor power and its backward).
+        Patch(
+            k.torch_numpy_module,
+            "power",
+            backend_numpy.power,
+            wrap=True,
+        ),
         # The cross-entropy of (rows, classes), the class dim contiguous.
         Patch(
             k.torch_nn_module,
