@@ -116,27 +116,27 @@ def saves_in_one_folder(folder):
     """Two saves and an async save into `folder`, then `tidy`: (its storage
     groups, how often it was probed, what is left in it)."""
     from keras_torch_distribution import checkpoint
-    from keras_torch_distribution.checkpoint import _files
+    from keras_torch_distribution.checkpoint import _storage
     from keras_torch_distribution.checkpoint import callbacks
 
     distribute(SAVE_RULES)
     model = checkpoint_model()
     probed = []
-    real = _files._probe_storage
+    real = _storage._probe_storage
 
     def counted(*args):
         probed.append(args[0])
         return real(*args)
 
-    _files._probe_storage = counted
+    _storage._probe_storage = counted
     try:
         checkpoint.save(model, os.path.join(folder, "a"))
         checkpoint.save(model, os.path.join(folder, "b"))
         checkpoint.async_save(model, os.path.join(folder, "c")).result()
         callbacks.tidy(folder)
-        groups = _files.storage_groups(folder)
+        groups = _storage.storage_groups(folder)
     finally:
-        _files._probe_storage = real
+        _storage._probe_storage = real
     return groups, probed, sorted(os.listdir(folder))
 
 

@@ -158,14 +158,14 @@ def test_one_hosts_copy_of_a_split_checkpoint_names_what_it_lacks(tmp_path):
 
 
 def test_storage_groups_from_the_probes_each_rank_saw():
-    from keras_torch_distribution.checkpoint import _files
+    from keras_torch_distribution.checkpoint import _storage
 
     # Ranks 0-1 on one disk, 2-3 on another: 0 and 2 (their hosts' first
     # ranks) read each other's probes, the others their first rank's.
-    assert _files._groups_from([[0], [0], [2], [2]]) == [[0, 1], [2, 3]]
-    assert _files._groups_from([[0, 2], [0], [2], [2]]) == [[0, 1, 2, 3]]
+    assert _storage._groups_from([[0], [0], [2], [2]]) == [[0, 1], [2, 3]]
+    assert _storage._groups_from([[0, 2], [0], [2], [2]]) == [[0, 1, 2, 3]]
     # Rank 3 does not see its host's first rank (a container with mounts
     # of its own) but sees rank 4, on the same mounts.
     seen = [[0], [0], [2], [3, 4], [3, 4]]
-    assert _files._groups_from(seen) == [[0, 1], [2], [3, 4]]
-    assert _files._groups_from([[], [], [2]]) == [[0], [1], [2]]
+    assert _storage._groups_from(seen) == [[0, 1], [2], [3, 4]]
+    assert _storage._groups_from([[], [], [2]]) == [[0], [1], [2]]

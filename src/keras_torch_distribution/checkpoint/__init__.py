@@ -28,7 +28,7 @@ recorded size and CRC-32 before it is read. The checksums detect accidents
 (truncation, flipped bits), not forgery: whoever can write the checkpoint
 can rewrite its marker too.
 
-Completeness and crashes (`_files`): every rank writes into
+Completeness and crashes (`_files`, `_storage`): every rank writes into
 ``<path>.incomplete``; rank 0 completes it with the marker and moves it into
 place, so a checkpoint being written when a process died is never loaded,
 and replacing one is crash-safe at every instant. On hosts that do not share
@@ -39,8 +39,12 @@ Modules, bottom first (a module imports only those above it):
 
 - `_errors`: the checkpoint errors.
 - `_keys`: Keras variable paths to checkpoint keys.
-- `_files`: completion, crash-safe replacement, checksums, which ranks
-  share a storage.
+- `_location`: where a checkpoint lives: its file names, the directory
+  holding the newest complete checkpoint of a path, its marker.
+- `_checksums`: each file's size and CRC-32, checked before it is read.
+- `_storage`: which ranks share a checkpoint's folder (one per host on
+  local disks).
+- `_files`: completion and crash-safe replacement.
 - `_dcp`: save, async_save, load, the restricted metadata reader.
 - `callbacks`: ShardedCheckpoint, BackupAndRestore.
 - `inspect`: what `ktd report CHECKPOINT` prints.
@@ -59,12 +63,12 @@ from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
 from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
-from keras_torch_distribution.checkpoint._files import FORMAT
-from keras_torch_distribution.checkpoint._files import FORMAT_VERSION
-from keras_torch_distribution.checkpoint._files import MARKER
-from keras_torch_distribution.checkpoint._files import is_checkpoint
-from keras_torch_distribution.checkpoint._files import read_marker
 from keras_torch_distribution.checkpoint._keys import variables_by_key
+from keras_torch_distribution.checkpoint._location import FORMAT
+from keras_torch_distribution.checkpoint._location import FORMAT_VERSION
+from keras_torch_distribution.checkpoint._location import MARKER
+from keras_torch_distribution.checkpoint._location import is_checkpoint
+from keras_torch_distribution.checkpoint._location import read_marker
 from keras_torch_distribution.checkpoint.callbacks import ShardedCheckpoint
 from keras_torch_distribution.checkpoint.callbacks import latest
 

@@ -44,8 +44,11 @@ from torch.distributed.checkpoint import staging as dcp_staging
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+import keras_torch_distribution.checkpoint._checksums as _checksums
 import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._keys as _keys
+import keras_torch_distribution.checkpoint._location as _location
+import keras_torch_distribution.checkpoint._storage as _storage
 from keras_torch_distribution._distributed import agreement
 from keras_torch_distribution._log import logger
 from keras_torch_distribution._processes import runtime
@@ -147,10 +150,12 @@ def read_metadata(
     """DCP's Metadata of the checkpoint in `directory`, unpickled with the
     restricted unpickler after its size and checksum are verified, and
     checked: every entry a tensor, every file one the marker lists."""
-    path = os.path.join(directory, _files.METADATA)
-    entries = _files.file_entries(marker)
-    if _files.METADATA in entries:
-        _files.verify_file(directory, _files.METADATA, entries[_files.METADATA])
+    path = os.path.join(directory, _location.METADATA)
+    entries = _checksums.file_entries(marker)
+    if _location.METADATA in entries:
+        _checksums.verify_file(
+            directory, _location.METADATA, entries[_location.METADATA]
+        )
     with open(path, "rb") as f:
         try:
             metadata = _MetadataUnpickler(f, path).load()
@@ -267,7 +272,7 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
     def __init__(self, marker=None):
         super().__init__()
         self._marker = marker or {}
-        self._expected = _files.file_entries(self._marker)
+        self._expected = _checksums.file_entries(self._marker)
         self._verified = set()
         self._lock = threading.Lock()
         self.written = {}
@@ -314,7 +319,7 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
             with self._lock:
                 self.written[os.path.basename(path)] = {
                     "bytes": size,
-                    _files.CHECKSUM: _files.crc32_hex(stream.crc),
+                    _checksums.CHECKSUM: _checksums.crc32_hex(stream.crc),
                 }
 
     @contextlib.contextmanager
@@ -322,7 +327,7 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
         directory, name = os.path.split(path)
         entry = self._expected.get(name)
         if entry is not None and name not in self._verified:
-            _files.verify_file(directory, name, entry)
+            _checksums.verify_file(directory, name, entry)
             with self._lock:
                 self._verified.add(name)
         try:
@@ -331,7 +336,7 @@ class _CheckedFileSystem(dcp_filesystem.FileSystem):
         except CheckpointError:
             raise
         except Exception as error:
-            writer = _files.writer_of(self._marker, name)
+            writer = _checksums.writer_of(self._marker, name)
             what = str(error) or "the file ends early"
             raise CheckpointReadError(
                 f"Rank {runtime.process_id()} could not read checkpoint file "
@@ -425,8 +430,8 @@ def _no_dist():
 
 def _marker(variables, optimizer, extra):
     return {
-        "format": _files.FORMAT,
-        "format_version": _files.FORMAT_VERSION,
+        "format": _location.FORMAT,
+        "format_version": _location.FORMAT_VERSION,
         "keras_version": keras.__version__,
         "torch_version": torch.__version__,
         "num_processes": runtime.num_processes(),
@@ -449,7 +454,7 @@ def _check_extra(extra):
 
 def _begin_save(model, path, optimizer, extra, group=None):
     _check_extra(extra)
-    path = _files.normalize(path)
+    path = _location.normalize(path)
     _complete_pending_for(path)
     variables = _keys.variables_by_key(model, optimizer)
     optimizer = _keys.has_optimizer_state(variables)
@@ -484,7 +489,7 @@ def save(
         The checkpoint's directory, as an absolute path.
     """
     path, variables, marker = _begin_save(model, path, optimizer, extra)
-    writer = _Writer(path + _files.INCOMPLETE_SUFFIX)
+    writer = _Writer(path + _location.INCOMPLETE_SUFFIX)
     with (
         _discarded_on_failure(path),
         _OneProcessIsIntended(),
@@ -688,7 +693,7 @@ def async_save(
     """
     group = _async_process_group()
     path, variables, marker = _begin_save(model, path, optimizer, extra, group)
-    writer = _Writer(path + _files.INCOMPLETE_SUFFIX)
+    writer = _Writer(path + _location.INCOMPLETE_SUFFIX)
     state_dict = _keys.state_dict(variables)
     stager = staging_memory.stager_for(state_dict)
     staging = {}
@@ -745,7 +750,7 @@ def complete_at_exit() -> None:
                 "loaded. Call .result() on every rank before "
                 "destroy_process_group() or exiting.",
                 handle.path,
-                handle.path + _files.INCOMPLETE_SUFFIX,
+                handle.path + _location.INCOMPLETE_SUFFIX,
             )
             with _unfinished_lock:
                 _unfinished.remove(handle)
@@ -767,7 +772,7 @@ def complete_at_exit() -> None:
                 "uses the newest complete checkpoint.",
                 handle.path,
                 error,
-                handle.path + _files.INCOMPLETE_SUFFIX,
+                handle.path + _location.INCOMPLETE_SUFFIX,
             )
 
 
@@ -777,7 +782,7 @@ def forget_process_groups() -> None:
     and the staging memory and which ranks share which folders with it."""
     _async_group.clear()
     staging_memory.clear()
-    _files.forget_storage()
+    _storage.forget_storage()
 
 
 def load(
@@ -809,15 +814,15 @@ def load(
     Returns:
         The `extra` the checkpoint was saved with (None when none was).
     """
-    path = _files.normalize(path)
+    path = _location.normalize(path)
 
     def check():
-        directory, marker = _files.locate(path)
-        _files.check_sizes(directory, marker)
+        directory, marker = _location.locate(path)
+        _checksums.check_sizes(directory, marker)
         return directory, marker, read_metadata(directory, marker)
 
     directory, marker, metadata = agreement.agree(check)
-    if not _files.file_entries(marker):
+    if not _checksums.file_entries(marker):
         logger.warning(
             "%s was written before checkpoints carried checksums "
             "(format_version 1): its files cannot be verified.",
@@ -846,4 +851,4 @@ def load(
 
 def read_extra(path: str | os.PathLike[str]) -> Any:
     """The `extra` a checkpoint was saved with (no collective)."""
-    return _files.read_marker(path).get("extra")
+    return _location.read_marker(path).get("extra")
