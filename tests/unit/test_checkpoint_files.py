@@ -93,14 +93,14 @@ def test_missing_file_is_named_and_unwritable_folder_is_a_write_error(tmp_path):
 
 def test_a_failed_save_leaves_no_incomplete_folder(tmp_path, monkeypatch):
     from keras_torch_distribution import checkpoint
-    from keras_torch_distribution.checkpoint import _dcp
+    from keras_torch_distribution.checkpoint import _streams
 
     model = checkpoint_model()
 
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    real_open = _dcp._open
+    real_open = _streams._open
     calls = []
 
     def failing_open(path, mode="r", *args, **kwargs):
@@ -109,7 +109,7 @@ def test_a_failed_save_leaves_no_incomplete_folder(tmp_path, monkeypatch):
             no_space()
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(_dcp, "_open", failing_open)
+    monkeypatch.setattr(_streams, "_open", failing_open)
     with pytest.raises(
         checkpoint.CheckpointWriteError, match="No space left on device"
     ):

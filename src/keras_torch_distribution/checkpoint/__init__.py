@@ -22,7 +22,7 @@ mesh, another LayoutMap or no distribution at all, each rank reading only
 the blocks it holds (plain targets read the full values).
 
 Trust: loading runs nothing from the checkpoint. DCP's `.metadata` is
-unpickled admitting only DCP's metadata classes (`_dcp`), tensors are read
+unpickled admitting only DCP's metadata classes (`_unpickler`), tensors are read
 with `torch.load(weights_only=True)`, and every file is checked against its
 recorded size and CRC-32 before it is read. The checksums detect accidents
 (truncation, flipped bits), not forgery: whoever can write the checkpoint
@@ -45,12 +45,15 @@ Modules, bottom first (a module imports only those above it):
 - `_storage`: which ranks share a checkpoint's folder (one per host on
   local disks).
 - `_files`: completion and crash-safe replacement.
-- `_dcp`: save, async_save, load, the restricted metadata reader.
+- `_unpickler`: the restricted reader of DCP's `.metadata`.
+- `_streams`: the checked file streams every file goes through.
+- `_staging`: the pinned memory async saves copy into, reused.
+- `_pending`: saves in progress (`PendingCheckpoint`).
+- `_dcp`: save, async_save, load.
 - `callbacks`: ShardedCheckpoint, BackupAndRestore.
 - `inspect`: what `ktd report CHECKPOINT` prints.
 """
 
-from keras_torch_distribution.checkpoint._dcp import PendingCheckpoint
 from keras_torch_distribution.checkpoint._dcp import async_save
 from keras_torch_distribution.checkpoint._dcp import load
 from keras_torch_distribution.checkpoint._dcp import read_extra
@@ -69,6 +72,7 @@ from keras_torch_distribution.checkpoint._location import FORMAT_VERSION
 from keras_torch_distribution.checkpoint._location import MARKER
 from keras_torch_distribution.checkpoint._location import is_checkpoint
 from keras_torch_distribution.checkpoint._location import read_marker
+from keras_torch_distribution.checkpoint._pending import PendingCheckpoint
 from keras_torch_distribution.checkpoint.callbacks import ShardedCheckpoint
 from keras_torch_distribution.checkpoint.callbacks import latest
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 import keras_torch_distribution.checkpoint._checksums as _checksums
-import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._location as _location
+import keras_torch_distribution.checkpoint._unpickler as _unpickler
 from keras_torch_distribution._variables import left_whole
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._keys import MODEL_PREFIX
@@ -48,7 +48,7 @@ def verify(
             directory,
             damaged[0].rank,
         )
-    return directory, marker, _dcp.read_metadata(directory, marker)
+    return directory, marker, _unpickler.read_metadata(directory, marker)
 
 
 def checkpoint_table(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
