@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-import keras_torch_distribution.checkpoint._dcp as _dcp
-import keras_torch_distribution.checkpoint._files as _files
+import keras_torch_distribution.checkpoint._checksums as _checksums
+import keras_torch_distribution.checkpoint._location as _location
+import keras_torch_distribution.checkpoint._unpickler as _unpickler
 from keras_torch_distribution._variables import left_whole
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._keys import MODEL_PREFIX
@@ -35,8 +36,8 @@ def verify(
     """Check every file of the checkpoint at `path` (reads them all): raise
     DamagedCheckpointError naming each damaged file and its writer; return
     (directory, marker, metadata) of an intact one."""
-    directory, marker = _files.locate(path)
-    damaged = _files.problems(directory, marker)
+    directory, marker = _location.locate(path)
+    damaged = _checksums.problems(directory, marker)
     if len(damaged) == 1:
         raise damaged[0]
     if damaged:
@@ -47,7 +48,7 @@ def verify(
             directory,
             damaged[0].rank,
         )
-    return directory, marker, _dcp.read_metadata(directory, marker)
+    return directory, marker, _unpickler.read_metadata(directory, marker)
 
 
 def checkpoint_table(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -55,10 +56,12 @@ def checkpoint_table(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     dtype, the blocks each writing rank stored, and whether its files were
     verified (False for a checkpoint written before checksums)."""
     _, marker, metadata = verify(path)
-    verified = bool(_files.file_entries(marker))
+    verified = bool(_checksums.file_entries(marker))
     writers = {}
     for index, info in metadata.storage_data.items():
-        rank = _files.writer_of(marker, os.path.basename(info.relative_path))
+        rank = _checksums.writer_of(
+            marker, os.path.basename(info.relative_path)
+        )
         writers[(index.fqn, tuple(index.offset or ()))] = (rank, info.length)
     rows = []
     for key, entry in sorted(metadata.state_dict_metadata.items()):

@@ -196,12 +196,8 @@ def assemble(record, world):
         "step_simulated": tally is not None,
         "step_kind": record.step_kind if tally is not None else None,
         "no_step_reason": record.no_step,
-        "collectives_per_step": {
-            kind: {"count": tally.counts[kind], "bytes": tally.bytes[kind]}
-            for kind in tally.counts
-        }
-        if tally is not None
-        else None,
+        "collectives_backend": "nccl",
+        "collectives_per_step": _collectives(tally),
         "left_whole": [
             {
                 "path": entry["variable"].path,
@@ -211,4 +207,19 @@ def assemble(record, world):
             }
             for entry in left_whole.left_whole(variables, distribution)
         ],
+    }
+
+
+def _collectives(tally):
+    """kind -> count and bytes of the counted step, as a CUDA (NCCL) mesh
+    issues them (`_collective_counts`: a redistribution between sharded
+    dims is one all_to_all, never the CPU's all-gather); all_to_all shown
+    even where none. None without a counted step."""
+    if tally is None:
+        return None
+    counts = dict(tally.counts)
+    counts.setdefault("all_to_all", 0)
+    return {
+        kind: {"count": count, "bytes": tally.bytes.get(kind, 0)}
+        for kind, count in counts.items()
     }
