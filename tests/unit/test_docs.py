@@ -1,5 +1,5 @@
 """Docs the tests keep true: docs/architecture.md's patch tables against
-the code's (`_install`'s patch table and the planner's scoped patches),
+the code's (`_patches`' patch table and the planner's scoped patches),
 both ways; the README's length and its `ktd plan`."""
 
 import os
@@ -8,8 +8,8 @@ import types
 
 import torch.distributed as dist
 
-from keras_torch_distribution import _install
 from keras_torch_distribution import _keras
+from keras_torch_distribution import _patches
 from keras_torch_distribution._distributed import masked_lookup
 from keras_torch_distribution.plan import _fake_step
 from keras_torch_distribution.plan import _peers
@@ -32,9 +32,9 @@ def path_of(owner):
 
 
 def install_patches():
-    """(owner path, attribute) of every row `_install` can apply: its table,
-    the fast ops, and the rows that turn off Keras 3.16's own distribution
-    (as on a Keras that has them, whatever this one is)."""
+    """(owner path, attribute) of every row `_install` can apply: the
+    patch table, the fast ops, and the rows that turn off Keras 3.16's own
+    distribution (as on a Keras that has them, whatever this one is)."""
     native = types.SimpleNamespace(
         **{
             **vars(_keras),
@@ -43,9 +43,9 @@ def install_patches():
         }
     )
     patches = (
-        _install._patch_table()
-        + _install._fast_ops(_keras)
-        + _install._native_distribution_off(native)
+        _patches._patch_table()
+        + _patches._fast_ops(_keras)
+        + _patches._native_distribution_off(native)
     )
     return {(path_of(p.owner), p.name) for p in patches}
 
