@@ -39,7 +39,8 @@ LAYERS = [
     "_preemption",  # signals: an agreed step, its backup, the exit
     "_training",  # the step
     "_report",
-    "_install",  # the patch table
+    "_patches",  # the patch table
+    "_install",  # install / uninstall, the exit hook
     "__init__",
     "plan",  # ktd plan: a simulated world of N on one CPU
     "launch",  # ktd run; what each launched process runs
@@ -345,10 +346,10 @@ def _replacement_first_lines():
     every entry of the patch table that wraps a Keras original."""
     import functools
 
-    from keras_torch_distribution import _install
+    from keras_torch_distribution import _patches
 
     found = []
-    for patch in _install._patch_table():
+    for patch in _patches._patch_table():
         if not patch.wrap:
             continue
         replacement = patch.replacement
