@@ -29,8 +29,17 @@ class _RankFilter(logging.Filter):
         return (
             record.rank == 0
             or getattr(record, "ktd_every_rank", False)
-            or _env.log_all_ranks()
+            or every_rank()
         )
+
+
+def every_rank():
+    """KTD_LOG_ALL_RANKS=1: every rank logs and warns (a bad value, which
+    `ktd env` flags and `ktd run` refuses, counts as unset)."""
+    try:
+        return _env.log_all_ranks()
+    except ValueError:
+        return False
 
 
 class _UntilConfigured(logging.StreamHandler):
@@ -62,7 +71,11 @@ if not logger.filters:
         logging.Formatter("[ktd rank %(rank)s] %(levelname)s: %(message)s")
     )
     logger.addHandler(_handler)
-    logger.setLevel(_env.log_level())
+    try:
+        logger.setLevel(_env.log_level())
+    except ValueError as _error:  # `ktd env` flags it; `ktd run` refuses it
+        logger.setLevel(logging.WARNING)
+        logger.warning("%s Using WARNING.", _error)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
