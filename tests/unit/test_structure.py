@@ -38,6 +38,7 @@ LAYERS = [
     "_preemption",  # signals: an agreed step, its backup, the exit
     "_training",  # the step
     "_report",
+    "callbacks",  # public Keras callbacks (Throughput)
     "_install",  # the patch table
     "__init__",
     "plan",  # ktd plan: a simulated world of N on one CPU
