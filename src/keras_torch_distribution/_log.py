@@ -113,3 +113,26 @@ def warn_once(key, message, *args):
 
 
 _warned = set()
+
+
+# A level just above WARNING, so that notes show at the default level
+# (WARNING) and KTD_LOG_LEVEL=ERROR hides them: events a user wants to see
+# (a checkpoint saved or restored), which are no warnings.
+NOTE = logging.WARNING + 1
+logging.addLevelName(NOTE, "NOTE")
+
+
+def note(message, *args):
+    """An event shown at the default level (rank 0): a checkpoint saved or
+    restored, with its path, size and seconds."""
+    logger.log(NOTE, message, *args)
+
+
+def human_bytes(n):
+    """Bytes with a binary unit: 512 B, 1.50 KiB, 577.3 MiB, 2.00 GiB."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"

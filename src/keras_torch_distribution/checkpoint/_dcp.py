@@ -29,6 +29,7 @@ import json
 import os
 import pickle
 import threading
+import time
 import warnings
 import zlib
 from typing import TYPE_CHECKING
@@ -47,7 +48,9 @@ from torch.distributed.tensor import DTensor
 import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._keys as _keys
 from keras_torch_distribution._distributed import agreement
+from keras_torch_distribution._log import human_bytes
 from keras_torch_distribution._log import logger
+from keras_torch_distribution._log import note
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointError
 from keras_torch_distribution.checkpoint._errors import CheckpointReadError
@@ -483,6 +486,7 @@ def save(
     Returns:
         The checkpoint's directory, as an absolute path.
     """
+    started = time.perf_counter()
     path, variables, marker = _begin_save(model, path, optimizer, extra)
     writer = _Writer(path + _files.INCOMPLETE_SUFFIX)
     with (
@@ -495,8 +499,18 @@ def save(
             storage_writer=writer,
             no_dist=_no_dist(),
         )
-    _files.finish(path, marker, writer.fs.written)
+    size = _files.finish(path, marker, writer.fs.written)
+    _saved(path, size, started)
     return path
+
+
+def _saved(path, size, started):
+    note(
+        "checkpoint saved: %s (%s, %.2f s)",
+        path,
+        human_bytes(size),
+        time.perf_counter() - started,
+    )
 
 
 @contextlib.contextmanager
@@ -625,6 +639,7 @@ class PendingCheckpoint:
         self._writer = writer
         self._done = False
         self._lock = threading.Lock()
+        self._started = time.perf_counter()  # for the note at completion
 
     def done(self) -> bool:
         """True once this rank's files are written (no collective)."""
@@ -647,13 +662,14 @@ class PendingCheckpoint:
                     _translated("save", self.path),
                 ):
                     self._future.result()
-                _files.finish(
+                size = _files.finish(
                     self.path,
                     self._marker,
                     self._writer.fs.written,
                     self._group,
                 )
                 self._done = True
+                _saved(self.path, size, self._started)
         return self.path
 
 
@@ -809,6 +825,7 @@ def load(
     Returns:
         The `extra` the checkpoint was saved with (None when none was).
     """
+    started = time.perf_counter()
     path = _files.normalize(path)
 
     def check():
@@ -840,7 +857,14 @@ def load(
             storage_reader=reader,
             no_dist=_no_dist(),
         )
-    logger.info("loaded %d variables from %s", len(variables), directory)
+    size = sum(e["bytes"] for e in _files.file_entries(marker).values())
+    note(
+        "checkpoint restored: %s (%d variables, %s, %.2f s)",
+        directory,
+        len(variables),
+        human_bytes(size) if size else "size not recorded",
+        time.perf_counter() - started,
+    )
     return marker.get("extra")
 
 
