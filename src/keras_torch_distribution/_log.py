@@ -136,3 +136,25 @@ def human_bytes(n):
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def ranks_text(ranks):
+    """Ranks as ranges: [0, 1, 2, 5] -> "ranks 0-2,5"; [3] -> "rank 3"."""
+    ranks = sorted(ranks)
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+def grouped(values_by_rank):
+    """{rank: value} as [(ranks, value)] of the ranks with equal values,
+    in order of their first rank."""
+    groups = {}
+    for rank in sorted(values_by_rank):
+        groups.setdefault(repr(values_by_rank[rank]), []).append(rank)
+    return [(ranks, values_by_rank[ranks[0]]) for ranks in groups.values()]
