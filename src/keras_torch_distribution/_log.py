@@ -126,3 +126,48 @@ def warn_once(key, message, *args):
 
 
 _warned = set()
+
+
+# A level just above WARNING, so that notes show at the default level
+# (WARNING) and KTD_LOG_LEVEL=ERROR hides them: events a user wants to see
+# (a checkpoint saved or restored), which are no warnings.
+NOTE = logging.WARNING + 1
+logging.addLevelName(NOTE, "NOTE")
+
+
+def note(message, *args):
+    """An event shown at the default level (rank 0): a checkpoint saved or
+    restored, with its path, size and seconds."""
+    logger.log(NOTE, message, *args)
+
+
+def human_bytes(n):
+    """Bytes with a binary unit: 512 B, 1.50 KiB, 577.3 MiB, 2.00 GiB."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def ranks_text(ranks):
+    """Ranks as ranges: [0, 1, 2, 5] -> "ranks 0-2,5"; [3] -> "rank 3"."""
+    ranks = sorted(ranks)
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+def grouped(values_by_rank):
+    """{rank: value} as [(ranks, value)] of the ranks with equal values,
+    in order of their first rank."""
+    groups = {}
+    for rank in sorted(values_by_rank):
+        groups.setdefault(repr(values_by_rank[rank]), []).append(rank)
+    return [(ranks, values_by_rank[ranks[0]]) for ranks in groups.values()]

@@ -39,6 +39,7 @@ LAYERS = [
     "_preemption",  # signals: an agreed step, its backup, the exit
     "_training",  # the step
     "_report",
+    "callbacks",  # public Keras callbacks (Throughput)
     "_patches",  # the patch table
     "_install",  # install / uninstall, the exit hook
     "__init__",

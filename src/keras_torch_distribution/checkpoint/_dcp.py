@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -28,7 +29,9 @@ import keras_torch_distribution.checkpoint._keys as _keys
 import keras_torch_distribution.checkpoint._location as _location
 import keras_torch_distribution.checkpoint._storage as _storage
 from keras_torch_distribution._distributed import agreement
+from keras_torch_distribution._log import human_bytes
 from keras_torch_distribution._log import logger
+from keras_torch_distribution._log import note
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution.checkpoint._errors import CheckpointError
 from keras_torch_distribution.checkpoint._pending import PendingCheckpoint
@@ -37,6 +40,7 @@ from keras_torch_distribution.checkpoint._pending import _complete_pending_for
 from keras_torch_distribution.checkpoint._pending import _discarded_on_failure
 from keras_torch_distribution.checkpoint._pending import _unfinished
 from keras_torch_distribution.checkpoint._pending import _unfinished_lock
+from keras_torch_distribution.checkpoint._pending import note_saved
 from keras_torch_distribution.checkpoint._staging import staging_memory
 from keras_torch_distribution.checkpoint._streams import _no_dist
 from keras_torch_distribution.checkpoint._streams import _OneProcessIsIntended
@@ -109,6 +113,7 @@ def save(
     Returns:
         The checkpoint's directory, as an absolute path.
     """
+    started = time.perf_counter()
     path, variables, marker = _begin_save(model, path, optimizer, extra)
     writer = _Writer(path + _location.INCOMPLETE_SUFFIX)
     with (
@@ -121,7 +126,8 @@ def save(
             storage_writer=writer,
             no_dist=_no_dist(),
         )
-    _files.finish(path, marker, writer.fs.written)
+    size = _files.finish(path, marker, writer.fs.written)
+    note_saved(path, size, started)
     return path
 
 
@@ -277,6 +283,7 @@ def load(
     Returns:
         The `extra` the checkpoint was saved with (None when none was).
     """
+    started = time.perf_counter()
     path = _location.normalize(path)
 
     def check():
@@ -308,7 +315,14 @@ def load(
             storage_reader=reader,
             no_dist=_no_dist(),
         )
-    logger.info("loaded %d variables from %s", len(variables), directory)
+    size = sum(e["bytes"] for e in _checksums.file_entries(marker).values())
+    note(
+        "checkpoint restored: %s (%d variables, %s, %.2f s)",
+        directory,
+        len(variables),
+        human_bytes(size) if size else "size not recorded",
+        time.perf_counter() - started,
+    )
     return marker.get("extra")
 
 

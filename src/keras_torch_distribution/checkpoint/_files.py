@@ -106,7 +106,8 @@ def finish(path, marker, written, group=None):
     move it into place: on each storage (`storage_groups`), its lowest rank
     does it in its copy, where the others put `.metadata` (DCP writes it on
     rank 0 only) next to its ranks' files. Every rank returns once every
-    copy is in place. Collective: call on every rank."""
+    copy is in place; returns the bytes of every rank's files. Collective:
+    call on every rank."""
     groups = storage_groups(os.path.dirname(path), group)
     temporary = path + INCOMPLETE_SUFFIX
     split = len(groups) > 1
@@ -141,6 +142,11 @@ def finish(path, marker, written, group=None):
             raise _cannot_write(path, error) from error
 
     agreement.agree(complete, group)
+    return sum(
+        entry["bytes"]
+        for theirs in everyone
+        for entry in theirs["files"].values()
+    )
 
 
 # ---------------------------------------------------------------------------

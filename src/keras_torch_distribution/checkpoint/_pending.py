@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import TYPE_CHECKING
 from typing import Any
 
 import torch.distributed as dist
 
 import keras_torch_distribution.checkpoint._files as _files
+from keras_torch_distribution._log import human_bytes
+from keras_torch_distribution._log import note
 from keras_torch_distribution.checkpoint._errors import CheckpointError
 from keras_torch_distribution.checkpoint._streams import _translated
 from keras_torch_distribution.checkpoint._streams import _Writer
@@ -30,6 +33,16 @@ def _discarded_on_failure(path, group=None):
     except CheckpointError:
         _files.discard_incomplete(path, group)
         raise
+
+
+def note_saved(path, size, started):
+    """The line a save prints at the default level: path, size, seconds."""
+    note(
+        "checkpoint saved: %s (%s, %.2f s)",
+        path,
+        human_bytes(size),
+        time.perf_counter() - started,
+    )
 
 
 _unfinished = []  # PendingCheckpoints whose result() was not called yet
@@ -57,6 +70,7 @@ class PendingCheckpoint:
         self._writer = writer
         self._done = False
         self._lock = threading.Lock()
+        self._started = time.perf_counter()  # for the note at completion
 
     def done(self) -> bool:
         """True once this rank's files are written (no collective)."""
@@ -79,13 +93,14 @@ class PendingCheckpoint:
                     _translated("save", self.path),
                 ):
                     self._future.result()
-                _files.finish(
+                size = _files.finish(
                     self.path,
                     self._marker,
                     self._writer.fs.written,
                     self._group,
                 )
                 self._done = True
+                note_saved(self.path, size, self._started)
         return self.path
 
 

@@ -1,6 +1,7 @@
 """The plan as text (`format_text`) and as JSON (`write_json`).
 
-The JSON holds the plan's dict: `world`, `per_rank` (one object per set of
+The JSON holds the plan's dict: `format_version` (1: this layout),
+`world`, `per_rank` (one object per set of
 identical ranks: `rank`, the first of them, `ranks`, all of them,
 `params_bytes`, `grads_bytes`, `optimizer_bytes`, `total_bytes` (their sum),
 under FSDP `fsdp_gathered_bytes` (gathered weights held at once),
@@ -17,6 +18,7 @@ training with Adam), `left_whole`, `peak_rss_bytes`, `wall_seconds`.
 """
 
 import json
+import sys
 
 
 def human(n):
@@ -152,6 +154,12 @@ def _fsdp_line(plan, worst):
 
 
 def write_json(plan, path):
+    """The plan as JSON in the file `path`, or on stdout for "-"."""
+    if path == "-":
+        json.dump(plan, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return
     with open(path, "w", encoding="utf-8") as file:
         json.dump(plan, file, indent=2)
         file.write("\n")

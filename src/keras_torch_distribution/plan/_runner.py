@@ -39,9 +39,10 @@ class PlanError(RuntimeError):
     """The script cannot be planned as it is (the message says why)."""
 
 
-def plan(world, script, args=(), step="auto"):
+def plan(world, script, args=(), step="auto", progress=None):
     """The plan of `script args` at `world` processes (see the module
-    docstring)."""
+    docstring). `progress(text)`, if given, hears each phase."""
+    progress = progress or (lambda text: None)
     world = simulated_world.check_world(world)
     if step not in STEP_CHOICES:
         raise ValueError(
@@ -61,9 +62,16 @@ def plan(world, script, args=(), step="auto"):
 
     def step_kind(model):
         if step == "no":
+            progress("stopped at the script's first fit; no step (--step no)")
             return None, "--step no"
-        return ("real" if step in ("real", "yes") else "fake"), None
+        kind = "real" if step in ("real", "yes") else "fake"
+        progress(
+            "stopped at the script's first fit: simulating one training "
+            f"step on {kind} tensors, counting its collectives"
+        )
+        return kind, None
 
+    progress(f"running {script} as rank 0 of {world} simulated processes")
     with (
         _planned_prefetch(),
         simulated_world.simulated(world),
@@ -79,6 +87,9 @@ def plan(world, script, args=(), step="auto"):
                 "model's variables. Make the script build its model and call "
                 "model.fit(...) (the plan stops there, before training)."
             )
+        progress(
+            f"stopped at {record.stopped_at}: each rank's bytes, {world} ranks"
+        )
         result = assemble(record, world)
     result["script"] = [script, *args]
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -86,6 +97,17 @@ def plan(world, script, args=(), step="auto"):
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
     return result
+
+
+# Keras' DeviceMesh, for a shape whose product is not the devices' number.
+_MESH_MISMATCH = "Shape does not match the number of devices"
+
+
+def len_devices():
+    """The simulated world's size (while planning)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size()
 
 
 def _run_script(script, args, record):
@@ -98,6 +120,16 @@ def _run_script(script, args, record):
         pass
     except _peers.NeedsPeers as error:
         raise PlanError(str(error)) from None
+    except ValueError as error:
+        if _MESH_MISMATCH in str(error):
+            raise PlanError(
+                f"ktd plan: {script!r} builds a mesh for another number of "
+                f"devices than the --world {len_devices()} planned for "
+                f"(Keras: {str(error).strip()}). Give --world the mesh's "
+                "number of devices, or build the mesh from "
+                "keras.distribution.list_devices(), whose length is --world."
+            ) from None
+        raise
     except SystemExit as exit_:
         if record.model is None:
             raise PlanError(
