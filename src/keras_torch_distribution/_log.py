@@ -4,6 +4,7 @@ Set KTD_LOG_ALL_RANKS=1 to hear every rank; KTD_LOG_LEVEL (default WARNING)
 sets the level.
 """
 
+import atexit
 import logging
 import os
 import re
@@ -171,3 +172,52 @@ def grouped(values_by_rank):
     for rank in sorted(values_by_rank):
         groups.setdefault(repr(values_by_rank[rank]), []).append(rank)
     return [(ranks, values_by_rank[ranks[0]]) for ranks in groups.values()]
+
+
+# Findings said once for many variables: key -> [message, args, subjects],
+# said at `say_grouped()` (a step's update, evaluate / predict, `ktd plan`'s
+# end, the interpreter's exit).
+_grouped = {}
+_GROUPED_SHOWN = 3  # subjects named in the line; the rest are counted
+
+
+def warn_grouped(key, subject, message, *args):
+    """A warning about `subject` (a variable's path) that many variables
+    share: one line for every subject of `key` (`say_grouped`), naming a
+    few and counting the rest, optimizer slots apart. Once per (key,
+    subject) for the life of the process."""
+    if (key, subject) in _warned:
+        return
+    _warned.add((key, subject))
+    if not _grouped:
+        atexit.register(say_grouped)
+    _grouped.setdefault(key, [message, args, []])[2].append(subject)
+
+
+def say_grouped():
+    """Say the pending grouped warnings, one line per key."""
+    while _grouped:
+        message, args, subjects = _grouped.pop(next(iter(_grouped)))
+        logger.warning("%s: " + message, subjects_text(subjects), *args)
+
+
+def subjects_text(paths):
+    """ "variable 'a/kernel'", or "14 variables ('b0/kernel', 'b1/kernel',
+    'b2/kernel', ... 11 more) and their 28 optimizer slots". A slot is a
+    path whose last part is another path's, "/" made "_", then "_<slot>"
+    (Keras' names for optimizer variables)."""
+    flat = {p.replace("/", "_") + "_" for p in paths}
+    slots = [
+        p for p in paths if any(p.split("/")[-1].startswith(f) for f in flat)
+    ]
+    variables = [p for p in paths if p not in slots] or slots
+    if len(paths) == 1:
+        return f"variable {paths[0]!r}"
+    named = ", ".join(repr(p) for p in variables[:_GROUPED_SHOWN])
+    if len(variables) > _GROUPED_SHOWN:
+        named += f", ... {len(variables) - _GROUPED_SHOWN} more"
+    plural = "s" if len(variables) > 1 else ""
+    text = f"{len(variables)} variable{plural} ({named})"
+    if variables is not slots and slots:
+        text += f" and their {len(slots)} optimizer slots"
+    return text

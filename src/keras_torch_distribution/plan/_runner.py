@@ -18,6 +18,7 @@ import time
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution._fsdp import gathering
+from keras_torch_distribution._log import say_grouped
 from keras_torch_distribution._variables import left_whole
 from keras_torch_distribution.plan import _fsdp_figure
 from keras_torch_distribution.plan import _peers
@@ -87,6 +88,7 @@ def plan(world, script, args=(), step="auto", progress=None):
                 "model's variables. Make the script build its model and call "
                 "model.fit(...) (the plan stops there, before training)."
             )
+        say_grouped()  # findings of a script stopped before its first update
         progress(
             f"stopped at {record.stopped_at}: each rank's bytes, {world} ranks"
         )
