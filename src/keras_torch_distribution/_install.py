@@ -29,6 +29,7 @@ from keras_torch_distribution._distributed import layouts
 from keras_torch_distribution._distributed import masked_lookup
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._distributed import sharding_rules
+from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._fsdp import einsum_grad
 from keras_torch_distribution._fsdp import flat_shards
 from keras_torch_distribution._fsdp import gathering
@@ -244,6 +245,8 @@ def _patch_table():
                 ("close", _saving.store_close),
             )
         ],
+        # Loading: a sharded variable reads only its block of the file.
+        Patch(k.H5IOStore, "__getitem__", _saving.stored_item, wrap=True),
         Patch(
             k.BackupAndRestore, "_save_model", callbacks.backup_save, wrap=True
         ),
@@ -510,6 +513,7 @@ def _state_objects():
         sharding_rules.registration,  # torch's own rules and handlers back
         # implicit replication off; no sharded variables seen
         born_sharded.state,
+        stored_values.reads,  # bytes read from weights files
         # overlapped reducers and their gradient hooks
         gradients.optimizer_sync,
         metric_states.state,  # models whose metric states fold, the last sum

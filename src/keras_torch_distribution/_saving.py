@@ -22,11 +22,16 @@ import inspect
 import os
 import shutil
 import tempfile
+import weakref
 
+import h5py
 import keras
 import torch.distributed as dist
 
+from keras_torch_distribution import _keras
+from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._processes import runtime
+from keras_torch_distribution._variables import born_sharded
 
 
 def _collective_write(original, model, filepath, *args, **kwargs):
@@ -87,9 +92,42 @@ def store_init(original, store, *args, **kwargs):
         raise
 
 
+def stored_item(original, store, key):
+    """Keras `H5IOStore.__getitem__` (the sharded store's too): while
+    sharded variables exist, a dataset of a file opened for reading comes
+    back unread, as a `stored_values.StoredValue`: assigned to a sharded
+    variable it reads only this rank's block; used any other way it is
+    read whole, as Keras reads it. Scalars are read as Keras reads them."""
+    if not (
+        _keras.h5_store_reading(store) and born_sharded.has_sharded_variables()
+    ):
+        return original(store, key)
+    dataset = _keras.h5_store_dataset(store, key)
+    if not isinstance(dataset, h5py.Dataset) or not dataset.shape:
+        return original(store, key)
+    filename = dataset.file.filename
+    reopen = (
+        filename
+        if _keras.h5_store_on_disk(store) and os.path.isfile(filename)
+        else None
+    )
+    value = stored_values.StoredValue(
+        dataset,
+        bfloat16=dataset.attrs.get("dtype", None) == "bfloat16",
+        reopen=reopen,
+    )
+    handed_out = store.__dict__.setdefault("_ktd_handed_out", weakref.WeakSet())
+    handed_out.add(value)
+    return value
+
+
 def store_close(original, store):
     """Keras weight store `close`: once rank 0's file is complete, every
-    rank goes on. Collective for stores opened for writing at a path."""
+    rank goes on. Collective for stores opened for writing at a path.
+    Values a reading store handed out unread that are still in use and
+    cannot be read after the file closes are read first (`stored_item`)."""
+    for value in list(store.__dict__.get("_ktd_handed_out", ())):
+        value.keep()
     collective, scratch = getattr(store, "_ktd_collective_write", (False, None))
     try:
         return original(store)

@@ -1,0 +1,164 @@
+"""Loading shard by shard: a keras_hub preset (`model.weights.h5`, and
+Keras' sharded weights files) saved by one process, loaded on 2 under
+ModelParallel with the backbone's own layout map and under FSDP (the same
+map on a batch axis of 2): every variable equal to one process's, the
+logits too; each rank reads from the files no more than it keeps plus one
+block of the largest variable (`stored_values.reads`), and holds no whole
+copy of a sharded variable on the way (tracemalloc's peak of host
+allocations during `load_weights`: numpy's reads are traced).
+
+keras_hub is installed by .ci/run; without it these tests are skipped.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+keras_hub = pytest.importorskip("keras_hub")
+
+# The embeddings (VOCAB x HIDDEN, 4 MiB) are the largest variables.
+VOCAB, HIDDEN, SEQ, ROWS = 16384, 64, 8, 2
+# Python objects h5py and Keras make while loading (traced: about 200 KB).
+SLACK = 512 * 1024
+
+
+def _backbone():
+    keras.utils.set_random_seed(3)
+    return keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=HIDDEN,
+        intermediate_dim=2 * HIDDEN,
+    )
+
+
+def _inputs():
+    ids = np.random.default_rng(0).integers(1, VOCAB, (ROWS, SEQ))
+    return {
+        "token_ids": ids.astype("int32"),
+        "padding_mask": np.ones((ROWS, SEQ), bool),
+    }
+
+
+def _logits(backbone):
+    hidden = backbone(_inputs())
+    embedding = backbone.token_embedding
+    return keras.ops.convert_to_numpy(embedding(hidden, reverse=True))
+
+
+def _save_presets(directory):
+    """One process: the tiny Llama saved as a preset, whole and in Keras'
+    sharded weights files; its weights and logits."""
+    keras.distribution.set_distribution(None)
+    backbone = _backbone()
+    whole = os.path.join(directory, "whole")
+    sharded = os.path.join(directory, "sharded")
+    backbone.save_to_preset(whole)
+    # About 4.2 MB a file: the embeddings (4 MiB) each in a file of
+    # their own, the layers' variables spread over files with them.
+    backbone.save_to_preset(sharded, max_shard_size=0.0042)
+    weights = {v.path: np.asarray(v) for v in backbone.weights}
+    return whole, sharded, weights, _logits(backbone)
+
+
+def _set_distribution(kind):
+    devices = keras.distribution.list_devices()
+    shape = (1, len(devices)) if kind == "model" else (len(devices), 1)
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    # The key keras_hub's map misses (the package warns about it).
+    layout_map["token_embedding/reverse_embeddings"] = ("batch", "model")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+
+
+def _load_on_rank(kind, preset):
+    """On each rank: build the backbone from the preset's config under the
+    distribution, then load its weights, counting the bytes read and the
+    peak of host allocations during the load."""
+    import tracemalloc
+
+    from keras_torch_distribution._distributed import stored_values
+    from keras_torch_distribution._variables import born_sharded
+
+    keras.backend.clear_session()
+    _set_distribution(kind)
+    backbone = keras_hub.models.Backbone.from_preset(preset, load_weights=False)
+    stored_values.reads.clear()
+    tracemalloc.start()
+    try:
+        # What from_preset loads: the preset's weights file(s).
+        weights_file = "model.weights.h5"
+        if not os.path.exists(os.path.join(preset, weights_file)):
+            weights_file = "model.weights.json"
+        backbone.load_weights(os.path.join(preset, weights_file))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    read = stored_values.reads.bytes
+    kept = sum(born_sharded.local_bytes(v) for v in backbone.weights)
+    blocks = [
+        born_sharded.local_bytes(v)
+        for v in backbone.weights
+        if hasattr(v.value, "placements")
+    ]
+    whole_replicated = [
+        born_sharded.local_bytes(v)
+        for v in backbone.weights
+        if not hasattr(v.value, "placements")
+    ]
+    # The whole from_preset call loads the same values.
+    keras.backend.clear_session()
+    _set_distribution(kind)
+    loaded = keras_hub.models.Backbone.from_preset(preset)
+    return {
+        "read": read,
+        "kept": kept,
+        "largest_block": max(blocks),
+        "largest_replicated": max(whole_replicated),
+        "peak": peak,
+        "sharded": len(blocks),
+        "weights": {v.path: np.asarray(v) for v in backbone.weights},
+        "from_preset": {v.path: np.asarray(v) for v in loaded.weights},
+        "logits": _logits(loaded),
+    }
+
+
+@pytest.mark.parametrize("kind", ["model", "fsdp"])
+def test_preset_loads_shard_by_shard(pool2, tmp_path, kind):
+    whole, sharded, weights, logits = _save_presets(str(tmp_path))
+    largest_whole = max(w.nbytes for w in weights.values())
+    for preset in (whole, sharded):
+        results = pool2.run(_load_on_rank, kind, preset, timeout=300)
+        for rank, got in enumerate(results):
+            where = f"{kind} {os.path.basename(preset)} rank {rank}"
+            assert got["sharded"] >= 8, where
+            for name in ("weights", "from_preset"):
+                assert got[name].keys() == weights.keys(), where
+                for path, value in weights.items():
+                    np.testing.assert_array_equal(
+                        got[name][path], value, err_msg=f"{where} {path}"
+                    )
+            np.testing.assert_allclose(
+                got["logits"], logits, rtol=1e-5, atol=1e-5, err_msg=where
+            )
+            # Read: what the rank keeps, nothing of the others' blocks.
+            assert got["read"] <= got["kept"] + got["largest_block"], (
+                where,
+                got["read"],
+                got["kept"],
+            )
+            assert got["read"] < sum(w.nbytes for w in weights.values())
+            # No whole copy of a sharded variable on the way to its block.
+            bound = max(got["largest_block"], got["largest_replicated"]) + SLACK
+            assert bound < largest_whole, (where, bound, largest_whole)
+            assert got["peak"] <= bound, (where, got["peak"], bound)
