@@ -248,6 +248,12 @@ def _patch_table():
         # Loading: a sharded variable reads only its block of the file.
         Patch(k.H5IOStore, "__getitem__", _saving.stored_item, wrap=True),
         Patch(
+            k.keras_saving_lib_module,
+            "is_memory_sufficient",
+            _saving.whole_file_in_memory,
+            wrap=True,
+        ),
+        Patch(
             k.BackupAndRestore, "_save_model", callbacks.backup_save, wrap=True
         ),
         Patch(

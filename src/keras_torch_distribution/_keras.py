@@ -612,6 +612,10 @@ CONVERT_TO_TENSOR_OWNERS = tuple(
     if module.__dict__.get("convert_to_tensor") is torch_core.convert_to_tensor
 )
 
+# `is_memory_sufficient`, which `saving_lib` looks up as a global of its own
+# module when it opens a `.keras` archive's weights.
+keras_saving_lib_module = saving_lib
+
 # Keras' HDF5 weight store (`.weights.h5`, `.keras`; `ShardedH5IOStore`
 # reads through its `__getitem__`).
 H5IOStore = saving_lib.H5IOStore

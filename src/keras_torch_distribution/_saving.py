@@ -121,6 +121,20 @@ def stored_item(original, store, key):
     return value
 
 
+def whole_file_in_memory(original, model):
+    """Keras `saving_lib.is_memory_sufficient`, which decides whether a
+    `.keras` archive's `model.weights.h5` is read into memory whole (a
+    `BytesIO` of the file on every rank) or extracted to a temporary file
+    beside the archive and read from there (and, when saving, written to
+    one first): False while sharded variables exist in a multi-process run,
+    so that no rank holds the whole file in memory and each reads only its
+    blocks from the extracted file (`stored_item`). Keras' answer
+    otherwise."""
+    if runtime.is_multi_process() and born_sharded.has_sharded_variables():
+        return False
+    return original(model)
+
+
 def store_close(original, store):
     """Keras weight store `close`: once rank 0's file is complete, every
     rank goes on. Collective for stores opened for writing at a path.
