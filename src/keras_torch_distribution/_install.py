@@ -233,6 +233,7 @@ def _patch_table():
         # Files: Keras files from rank 0, sharded checkpoints for backups.
         Patch(k.Model, "save", _saving.save, wrap=True),
         Patch(k.Model, "save_weights", _saving.save_weights, wrap=True),
+        Patch(k.Model, "load_weights", _saving.load_weights, wrap=True),
         Patch(k.Model, "summary", _saving.summary, wrap=True),
         Patch(
             k.keras_file_utils_module, "makedirs", _saving.makedirs, wrap=True

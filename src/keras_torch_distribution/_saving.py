@@ -32,6 +32,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._variables import born_sharded
+from keras_torch_distribution._variables import left_whole
 
 
 def _collective_write(original, model, filepath, *args, **kwargs):
@@ -58,6 +59,18 @@ def save(original, model, filepath, *args, **kwargs):
 def save_weights(original, model, filepath, *args, **kwargs):
     """Keras `Model.save_weights`. Collective: call on every rank."""
     return _collective_write(original, model, filepath, *args, **kwargs)
+
+
+def load_weights(original, model, *args, **kwargs):
+    """Keras `Model.load_weights` (keras_hub's `from_preset` loads through
+    it): once loaded, the warning about large variables the layout map
+    leaves whole (`_variables.left_whole`), as `fit` gives it: a model
+    loaded from a preset and only called or generated from is told too."""
+    result = original(model, *args, **kwargs)
+    left_whole.warn_if_left_whole(
+        model.variables, _keras.current_distribution()
+    )
+    return result
 
 
 def store_init(original, store, *args, **kwargs):

@@ -70,13 +70,13 @@ def _save_presets(directory):
     return (whole, sharded, archive), weights, _logits(backbone)
 
 
-def _set_distribution(kind):
+def _set_distribution(kind, reverse_key=True):
     devices = keras.distribution.list_devices()
     shape = (1, len(devices)) if kind == "model" else (len(devices), 1)
     mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
     layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
-    # The key keras_hub's map misses (the package warns about it).
-    layout_map["token_embedding/reverse_embeddings"] = ("batch", "model")
+    if reverse_key:  # the key keras_hub's map misses (the package warns)
+        layout_map["token_embedding/reverse_embeddings"] = ("batch", "model")
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(
             layout_map=layout_map, batch_dim_name="batch"
@@ -178,3 +178,52 @@ def test_preset_loads_shard_by_shard(pool2, tmp_path, kind):
             limit = os.path.getsize(source) if archive else largest_whole
             assert bound < limit, (where, bound, limit)
             assert got["peak"] <= bound, (where, got["peak"], bound)
+
+
+def _load_without_reverse_key(preset):
+    """from_preset under keras_hub's own map: the package logs what it
+    leaves whole (rank 0 speaks)."""
+    import logging
+
+    messages = []
+
+    class Records(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    keras.backend.clear_session()
+    _set_distribution("model", reverse_key=False)
+    records = Records()
+    logger = logging.getLogger("keras_torch_distribution")
+    logger.addHandler(records)
+    try:
+        backbone = keras_hub.models.Backbone.from_preset(preset)
+    finally:
+        logger.removeHandler(records)
+    return {
+        "messages": [m for m in messages if "whole on every rank" in m],
+        "weights": {v.path: np.asarray(v) for v in backbone.weights},
+    }
+
+
+def test_preset_under_keras_hub_map_warns_about_reverse_embeddings(
+    pool2, tmp_path
+):
+    keras.distribution.set_distribution(None)
+    backbone = _backbone()
+    preset = str(tmp_path / "preset")
+    backbone.save_to_preset(preset)
+    rank0, rank1 = pool2.run(_load_without_reverse_key, preset, timeout=300)
+    assert len(rank0["messages"]) == 1, rank0["messages"]
+    assert (
+        "Variable 'token_embedding/reverse_embeddings' (shape (64, 16384)) "
+        "is whole on every rank" in rank0["messages"][0]
+    )
+    assert (
+        "add layout_map['token_embedding/reverse_embeddings'] = "
+        "(None, 'model')" in rank0["messages"][0]
+    ), rank0["messages"][0]
+    assert rank1["messages"] == []
+    for got in (rank0, rank1):
+        for v in backbone.weights:
+            np.testing.assert_array_equal(got["weights"][v.path], np.asarray(v))
