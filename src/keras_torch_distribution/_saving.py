@@ -10,6 +10,11 @@ The same holds for every file Keras' weight stores write (`H5IOStore`,
 writing at a path writes into a scratch directory instead, and closing a
 store waits until every rank has closed its own, so rank 0's file is
 complete when any rank goes on (to read it back, say).
+Loading reads shard by shard: while sharded variables exist, a reading
+store hands out its datasets unread (`stored_item`), so that a sharded
+variable reads only its block (see `_distributed.stored_values`), and a
+`.keras` archive's weights are read from an extracted file, not from a
+whole copy in memory (`whole_file_in_memory`).
 File-writing callbacks (CSVLogger, TensorBoard) write, and `model.summary()`
 prints, from rank 0 only. ModelCheckpoint runs on every rank (its saves are
 collective), and so does the folder Keras makes for its files when it finds
