@@ -26,9 +26,10 @@ VOCAB, HIDDEN, SEQ, ROWS = 16384, 64, 8, 2
 SLACK = 512 * 1024
 
 
-def _backbone():
+def _backbone(**kwargs):
     keras.utils.set_random_seed(3)
     return keras_hub.models.LlamaBackbone(
+        **kwargs,
         vocabulary_size=VOCAB,
         num_layers=2,
         num_query_heads=4,
@@ -227,3 +228,43 @@ def test_preset_under_keras_hub_map_warns_about_reverse_embeddings(
     for got in (rank0, rank1):
         for v in backbone.weights:
             np.testing.assert_array_equal(got["weights"][v.path], np.asarray(v))
+
+
+def _load_as_float32(preset):
+    """A bfloat16 preset loaded into a float32 backbone under the layout
+    map: blocks read in bfloat16 and cast on the way."""
+    from keras_torch_distribution._distributed import stored_values
+    from keras_torch_distribution._variables import born_sharded
+
+    keras.backend.clear_session()
+    _set_distribution("model")
+    backbone = keras_hub.models.Backbone.from_preset(
+        preset, load_weights=False, dtype="float32"
+    )
+    stored_values.reads.clear()
+    backbone.load_weights(os.path.join(preset, "model.weights.h5"))
+    return {
+        "read": stored_values.reads.bytes,
+        "kept": sum(born_sharded.local_bytes(v) for v in backbone.weights),
+        "dtypes": {str(v.dtype) for v in backbone.weights},
+        "weights": {v.path: np.asarray(v) for v in backbone.weights},
+    }
+
+
+def test_bfloat16_preset_loads_into_float32_block_by_block(pool2, tmp_path):
+    keras.distribution.set_distribution(None)
+    backbone = _backbone(dtype="bfloat16")
+    preset = str(tmp_path / "preset")
+    backbone.save_to_preset(preset)
+    expected = {
+        v.path: keras.ops.convert_to_numpy(keras.ops.cast(v, "float32"))
+        for v in backbone.weights
+    }
+    for rank, got in enumerate(pool2.run(_load_as_float32, preset)):
+        assert got["dtypes"] == {"float32"}, got["dtypes"]
+        for path, value in expected.items():
+            np.testing.assert_array_equal(
+                got["weights"][path], value, err_msg=f"rank {rank} {path}"
+            )
+        # bfloat16 read: half the bytes the float32 blocks keep.
+        assert got["read"] * 2 == got["kept"], (got["read"], got["kept"])
