@@ -250,6 +250,12 @@ def _patch_table():
         Patch(k.H5IOStore, "__getitem__", _saving.stored_item, wrap=True),
         Patch(
             k.keras_saving_lib_module,
+            "_load_model_from_fileobj",
+            _saving.load_archive,
+            wrap=True,
+        ),
+        Patch(
+            k.keras_saving_lib_module,
             "is_memory_sufficient",
             _saving.whole_file_in_memory,
             wrap=True,
@@ -521,6 +527,7 @@ def _state_objects():
         # implicit replication off; no sharded variables seen
         born_sharded.state,
         stored_values.reads,  # bytes read from weights files
+        _saving.archive_loads,  # .keras archives being loaded
         # overlapped reducers and their gradient hooks
         gradients.optimizer_sync,
         metric_states.state,  # models whose metric states fold, the last sum

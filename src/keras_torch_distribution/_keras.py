@@ -612,8 +612,9 @@ CONVERT_TO_TENSOR_OWNERS = tuple(
     if module.__dict__.get("convert_to_tensor") is torch_core.convert_to_tensor
 )
 
-# `is_memory_sufficient`, which `saving_lib` looks up as a global of its own
-# module when it opens a `.keras` archive's weights.
+# `is_memory_sufficient` and `_load_model_from_fileobj`, which `saving_lib`
+# looks up as globals of its own module (when it opens a `.keras` archive's
+# weights; when `load_model` loads an archive).
 keras_saving_lib_module = saving_lib
 
 # Keras' HDF5 weight store (`.weights.h5`, `.keras`; `ShardedH5IOStore`

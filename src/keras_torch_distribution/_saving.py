@@ -139,16 +139,44 @@ def stored_item(original, store, key):
     return value
 
 
+class ArchiveLoads:
+    """How many `.keras` archives this process is loading now (Keras'
+    `_load_model_from_fileobj` in progress)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.depth = 0
+
+
+archive_loads = ArchiveLoads()
+
+
+def load_archive(original, *args, **kwargs):
+    """Keras `saving_lib._load_model_from_fileobj`, which loads a `.keras`
+    archive: while it runs, `whole_file_in_memory` may answer "no"."""
+    archive_loads.depth += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        archive_loads.depth -= 1
+
+
 def whole_file_in_memory(original, model):
     """Keras `saving_lib.is_memory_sufficient`, which decides whether a
     `.keras` archive's `model.weights.h5` is read into memory whole (a
     `BytesIO` of the file on every rank) or extracted to a temporary file
-    beside the archive and read from there (and, when saving, written to
-    one first): False while sharded variables exist in a multi-process run,
-    so that no rank holds the whole file in memory and each reads only its
-    blocks from the extracted file (`stored_item`). Keras' answer
-    otherwise."""
-    if runtime.is_multi_process() and born_sharded.has_sharded_variables():
+    beside the archive and read from there: False while a multi-process
+    run with sharded variables loads an archive (`load_archive`), so that
+    no rank holds the whole file in memory and each reads only its blocks
+    from the extracted file (`stored_item`). Keras' answer otherwise (saving
+    included)."""
+    if (
+        archive_loads.depth
+        and runtime.is_multi_process()
+        and born_sharded.has_sharded_variables()
+    ):
         return False
     return original(model)
 
