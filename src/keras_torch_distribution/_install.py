@@ -13,10 +13,12 @@ import warnings
 import keras
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import _saving
 from keras_torch_distribution._batch import position
 from keras_torch_distribution._distributed import layouts
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._distributed import sharding_rules
+from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._fsdp import flat_shards
 from keras_torch_distribution._fsdp import gathering
 from keras_torch_distribution._fsdp import groups
@@ -168,6 +170,8 @@ def _state_objects():
         sharding_rules.registration,  # torch's own rules and handlers back
         # implicit replication off; no sharded variables seen
         born_sharded.state,
+        stored_values.reads,  # bytes read from weights files
+        _saving.archive_loads,  # .keras archives being loaded
         # overlapped reducers and their gradient hooks
         gradients.optimizer_sync,
         metric_states.state,  # models whose metric states fold, the last sum

@@ -264,6 +264,24 @@ def set_stored_shape(variable, shape):
     variable._shape = variable._validate_shape(tuple(shape))
 
 
+def h5_store_dataset(store, key):
+    """The h5py Dataset a Keras H5 weight store's `store[key]` reads (of
+    the entry `store.get(path)` opened), checked as Keras checks it
+    (`safe_get_h5_dataset`: no shape or decompression bomb)."""
+    return saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)
+
+
+def h5_store_reading(store):
+    """True for a Keras H5 weight store opened for reading."""
+    return getattr(store, "mode", None) == "r"
+
+
+def h5_store_on_disk(store):
+    """True when a Keras H5 weight store reads files on disk (not inside a
+    `.keras` archive or from memory): a file it closes can be opened again."""
+    return getattr(store, "archive", None) is None
+
+
 def backup_position(callback):
     """(epoch, batch) a BackupAndRestore callback is at, for its checkpoint."""
     return callback._current_epoch, callback._last_batch_seen
@@ -593,6 +611,15 @@ CONVERT_TO_TENSOR_OWNERS = tuple(
     for module in _torch_backend_modules()
     if module.__dict__.get("convert_to_tensor") is torch_core.convert_to_tensor
 )
+
+# `is_memory_sufficient` and `_load_model_from_fileobj`, which `saving_lib`
+# looks up as globals of its own module (when it opens a `.keras` archive's
+# weights; when `load_model` loads an archive).
+keras_saving_lib_module = saving_lib
+
+# Keras' HDF5 weight store (`.weights.h5`, `.keras`; `ShardedH5IOStore`
+# reads through its `__getitem__`).
+H5IOStore = saving_lib.H5IOStore
 
 # Keras' weight file stores (`NpzIOStore` is gone in 3.16).
 KERAS_FILE_STORES = tuple(

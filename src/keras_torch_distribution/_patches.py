@@ -215,6 +215,7 @@ def _patch_table():
         # Files: Keras files from rank 0, sharded checkpoints for backups.
         Patch(k.Model, "save", _saving.save, wrap=True),
         Patch(k.Model, "save_weights", _saving.save_weights, wrap=True),
+        Patch(k.Model, "load_weights", _saving.load_weights, wrap=True),
         Patch(k.Model, "summary", _saving.summary, wrap=True),
         Patch(
             k.keras_file_utils_module, "makedirs", _saving.makedirs, wrap=True
@@ -227,6 +228,20 @@ def _patch_table():
                 ("close", _saving.store_close),
             )
         ],
+        # Loading: a sharded variable reads only its block of the file.
+        Patch(k.H5IOStore, "__getitem__", _saving.stored_item, wrap=True),
+        Patch(
+            k.keras_saving_lib_module,
+            "_load_model_from_fileobj",
+            _saving.load_archive,
+            wrap=True,
+        ),
+        Patch(
+            k.keras_saving_lib_module,
+            "is_memory_sufficient",
+            _saving.whole_file_in_memory,
+            wrap=True,
+        ),
         Patch(
             k.BackupAndRestore, "_save_model", callbacks.backup_save, wrap=True
         ),

@@ -13,6 +13,8 @@ Modules, bottom first (a module imports only those above it):
 - `layouts`: Keras `DeviceMesh` / `TensorLayout` onto torch meshes and
   placements.
 - `tensors`: plain tensors to and from DTensors of a layout.
+- `stored_values`: values of a weights file read when used (a sharded
+  variable reads only its block).
 - `collectives`: the one bucketed flat collective (gradient averages, metric
   sums, broadcasts).
 - `replicas`: the batch axis: replicas, their process group, the current
