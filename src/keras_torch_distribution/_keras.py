@@ -3,13 +3,13 @@
 The bottom layer: it imports nothing from the package. Every other module
 reaches Keras internals only through the names below: the version check,
 read-only accessors (private attributes of Keras objects included), the
-Keras classes and modules that own patch targets (`_install.py` patches
+Keras classes and modules that own patch targets (`_patches.py` lists
 them) and the DataAdapter base.
 
 Keras 3.15.x and 3.16 (keras-nightly) are served by one code base: what
 differs between them is found by what exists (never by a version string),
 in the imports just below and in the section "What differs between the
-Keras versions"; `_install.py` adds the patches only one of them needs.
+Keras versions"; `_patches.py` adds the patches only one of them needs.
 """
 
 import contextlib
@@ -531,7 +531,7 @@ def initializer_kind(initializer):
 
 
 # ---------------------------------------------------------------------------
-# The owners of the attributes `_install.py` replaces.
+# The owners of the attributes the patch table (`_patches.py`) replaces.
 # ---------------------------------------------------------------------------
 
 keras_backend_module = keras_backend
@@ -633,7 +633,7 @@ KERAS_FILE_STORES = tuple(
 # iterator's numpy path and `train/test/predict_on_batch`), wraps the
 # model in DistributedDataParallel whenever a process group exists (but
 # under ModelParallel), and all-reduces metric states. The package does
-# all three itself (`_install.py` turns the native ones off).
+# all three itself (`_patches.py` turns the native ones off).
 NATIVE_TORCH_TRAINING = hasattr(torch_trainer, "distribute_data_input")
 
 # Keras 3.16's torch train_step takes gradients with torch.autograd.grad
@@ -643,5 +643,5 @@ NATIVE_TORCH_TRAINING = hasattr(torch_trainer, "distribute_data_input")
 # Keras 3.16's torch Variable distributes itself when created under a
 # distribution (`_initialize_distributed`, called from `_initialize` and
 # `_initialize_with_initializer`); the package's born-sharded variables
-# replace it (`_install.py`).
+# replace it (`_patches.py`).
 NATIVE_VARIABLE_DISTRIBUTION = hasattr(TorchVariable, "_initialize_distributed")

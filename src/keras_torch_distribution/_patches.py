@@ -209,9 +209,9 @@ def _patch_table():
             wrap=True,
         ),
         Patch(k.Model, "get_metrics_result", trainer.metrics_result, wrap=True),
-        Patch(k.Model, "fit", trainer.quiet_on_other_ranks, wrap=True),
-        Patch(k.Model, "evaluate", trainer.quiet_on_other_ranks, wrap=True),
-        Patch(k.Model, "predict", trainer.quiet_on_other_ranks, wrap=True),
+        Patch(k.Model, "fit", trainer.fit_evaluate_predict, wrap=True),
+        Patch(k.Model, "evaluate", trainer.fit_evaluate_predict, wrap=True),
+        Patch(k.Model, "predict", trainer.fit_evaluate_predict, wrap=True),
         # Files: Keras files from rank 0, sharded checkpoints for backups.
         Patch(k.Model, "save", _saving.save, wrap=True),
         Patch(k.Model, "save_weights", _saving.save_weights, wrap=True),

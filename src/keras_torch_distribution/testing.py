@@ -88,7 +88,6 @@ def _worker(rank, world_size, rendezvous, initialize, connection):
     the process that started the pool (a killed pytest leaves none behind)."""
     import keras
 
-    import keras_torch_distribution  # noqa: F401
     from keras_torch_distribution.launch.__main__ import die_with_parent
 
     die_with_parent()

@@ -136,7 +136,7 @@ class Registration:
         self.single_dim = {}  # op -> torch's single-dim strategy
         self.handlers = {}  # op -> torch's custom op handler, or None
 
-    def clear(self):
+    def clear(self) -> None:
         unregister()
 
 
@@ -158,7 +158,7 @@ def _dispatcher_tables():
     return propagator, handlers
 
 
-def register():
+def register() -> None:
     """Register the rules with DTensor (once per process until `unregister`)."""
     if registration.active:
         return
@@ -224,7 +224,7 @@ def register():
     registration.active = True
 
 
-def unregister():
+def unregister() -> None:
     """Put back DTensor's own strategies and handlers for the ops `register`
     covered, and forget the sharding decisions cached with ours."""
     if not registration.active:

@@ -3,12 +3,17 @@ MVAPICH2): their variables -> a `Launch`, or None when they are absent; as
 `schedulers`' rows.
 """
 
+from __future__ import annotations
+
 import re
+from collections.abc import Mapping
 
 from keras_torch_distribution._processes.record import DEFAULT_PORT
 from keras_torch_distribution._processes.record import (
     IncompleteEnvironmentError,
 )
+from keras_torch_distribution._processes.record import Launch
+from keras_torch_distribution._processes.record import Outside
 from keras_torch_distribution._processes.record import join
 from keras_torch_distribution._processes.record import present
 from keras_torch_distribution._processes.record import read_local_rank
@@ -27,7 +32,9 @@ _ORTE_URI = re.compile(
 )
 
 
-def open_mpi(env, local_devices, outside, forced):
+def open_mpi(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     keys = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
     if not forced and not any(k in env for k in keys):
         return None
@@ -59,7 +66,9 @@ def open_mpi(env, local_devices, outside, forced):
     )
 
 
-def pmi(env, local_devices, outside, forced):
+def pmi(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     keys = ("PMI_SIZE", "PMI_RANK")
     if not forced and not any(k in env for k in keys):
         return None
@@ -92,7 +101,9 @@ def pmi(env, local_devices, outside, forced):
     )
 
 
-def mvapich(env, local_devices, outside, forced):
+def mvapich(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     keys = ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK")
     if not forced and not any(k in env for k in keys):
         return None

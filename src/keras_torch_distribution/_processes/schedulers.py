@@ -9,7 +9,10 @@ matches only on its full set of variables, and raises
 but some are missing or disagree.
 """
 
+from __future__ import annotations
+
 import zlib
+from collections.abc import Mapping
 
 import keras_torch_distribution._processes.hostlist as hostlist
 from keras_torch_distribution._processes.record import SINGLE
@@ -19,6 +22,7 @@ from keras_torch_distribution._processes.record import (
     IncompleteEnvironmentError,
 )
 from keras_torch_distribution._processes.record import Launch
+from keras_torch_distribution._processes.record import Outside
 from keras_torch_distribution._processes.record import join
 from keras_torch_distribution._processes.record import node_processes
 from keras_torch_distribution._processes.record import present
@@ -34,7 +38,9 @@ from keras_torch_distribution._processes.record import spawn_setting
 DERIVED_PORT_BASE, DERIVED_PORT_SPAN = 61440, 4096
 
 
-def torchelastic(env, local_devices, outside, forced):
+def torchelastic(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     if not forced and "TORCHELASTIC_RUN_ID" not in env:
         return None
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -59,7 +65,9 @@ def torchelastic(env, local_devices, outside, forced):
     )
 
 
-def generic(env, local_devices, outside, forced):
+def generic(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     """MASTER_ADDR, MASTER_PORT, WORLD_SIZE and a rank: RANK, or
     NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, or JOB_COMPLETION_INDEX."""
     if not forced and "WORLD_SIZE" not in env:
@@ -147,7 +155,9 @@ def generic(env, local_devices, outside, forced):
     )
 
 
-def lsf(env, local_devices, outside, forced):
+def lsf(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     keys = (
         "LSB_JOBID",
         "LSB_DJOB_RANKFILE",
@@ -201,7 +211,9 @@ _SLURM_NODELISTS = (
 )
 
 
-def slurm(env, local_devices, outside, forced):
+def slurm(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     """An srun step. Its batch script or an salloc shell shows SLURM_NTASKS
     and SLURM_PROCID too, but no SLURM_STEP_ID: that is no step (one process
     there is right)."""
@@ -258,7 +270,7 @@ def slurm(env, local_devices, outside, forced):
     )
 
 
-def slurm_step_address(env):
+def slurm_step_address(env: Mapping[str, str]) -> tuple[str, int] | None:
     """(first host of the step, port from the job and step ids), MASTER_ADDR /
     MASTER_PORT winning; None outside a step."""
     nodelist = next((env[k] for k in _SLURM_NODELISTS if env.get(k)), None)
@@ -283,7 +295,9 @@ def _slurm_nodes(env, nodelist):
     return sum(1 for _ in hostlist.hosts(env[nodelist]))
 
 
-def pet(env, local_devices, outside, forced):
+def pet(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     """A node launcher's PET_* variables (torchrun reads them as its options):
     one process per node, which starts PET_NPROC_PER_NODE processes."""
     if not forced and not any(

@@ -148,7 +148,7 @@ def _with_last(callbacks, callback, model):
     return list(callbacks) + [callback]
 
 
-def quiet_on_other_ranks(original, model, *args, **kwargs):
+def fit_evaluate_predict(original, model, *args, **kwargs):
     """Keras `Model.fit` / `evaluate` / `predict`: progress is printed, and
     file-writing callbacks write, on rank 0 only. Variables created
     before the distribution was set, that it would shard, get one

@@ -6,8 +6,11 @@ A copy of a checkpoint that lacks the files other hosts wrote (hosts that
 did not share the folder) is named by `split_error`.
 """
 
+from __future__ import annotations
+
 import os
 import zlib
+from typing import Any
 
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
@@ -16,11 +19,11 @@ CHECKSUM = "crc32"
 _CHUNK = 8 * 2**20
 
 
-def crc32_hex(value):
+def crc32_hex(value: int) -> str:
     return f"{value & 0xFFFFFFFF:08x}"
 
 
-def file_checksum(path):
+def file_checksum(path: str) -> tuple[int, str]:
     """(bytes, CRC-32 as 8 hex digits) of the file at `path`, read in chunks."""
     crc = 0
     size = 0
@@ -34,13 +37,13 @@ def file_checksum(path):
     return size, crc32_hex(crc)
 
 
-def file_entries(marker):
+def file_entries(marker: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{file name: {"rank", "bytes", "crc32"}} the marker records ({} for a
     checkpoint written before checksums, format_version 1)."""
     return marker.get("files") or {}
 
 
-def writer_of(marker, name):
+def writer_of(marker: dict[str, Any], name: str) -> int | None:
     """The rank that wrote file `name`, from the marker or DCP's naming
     (``__<rank>_<n>.distcp``); None when unknown."""
     entry = file_entries(marker).get(name)
@@ -64,7 +67,7 @@ def _damaged(directory, name, entry, what):
     )
 
 
-def check_size(directory, name, entry):
+def check_size(directory: str, name: str, entry: dict[str, Any]) -> None:
     """Raise DamagedCheckpointError if the file is missing or of another size
     than its writer recorded (a stat, no read)."""
     path = os.path.join(directory, name)
@@ -82,7 +85,7 @@ def check_size(directory, name, entry):
         )
 
 
-def verify_file(directory, name, entry):
+def verify_file(directory: str, name: str, entry: dict[str, Any]) -> None:
     """Raise DamagedCheckpointError unless the file has the size and CRC-32
     its writer recorded (reads the whole file)."""
     check_size(directory, name, entry)
@@ -98,7 +101,7 @@ def verify_file(directory, name, entry):
         )
 
 
-def check_sizes(directory, marker):
+def check_sizes(directory: str, marker: dict[str, Any]) -> None:
     """Every file the marker lists exists with its recorded size; a copy
     that lacks the files of other hosts raises SplitCheckpointError."""
     split = split_error(directory, marker)
@@ -108,7 +111,9 @@ def check_sizes(directory, marker):
         check_size(directory, name, entry)
 
 
-def split_error(directory, marker):
+def split_error(
+    directory: str, marker: dict[str, Any]
+) -> SplitCheckpointError | None:
     """A SplitCheckpointError naming the files `directory` lacks when it is
     one host's copy of a checkpoint saved on hosts that did not share its
     folder (the marker's `storage_groups`); else None."""
@@ -145,7 +150,9 @@ def split_error(directory, marker):
     )
 
 
-def problems(directory, marker):
+def problems(
+    directory: str, marker: dict[str, Any]
+) -> list[DamagedCheckpointError]:
     """Every damaged file of a checkpoint (sizes and checksums, reading all
     of them), as DamagedCheckpointError instances ([SplitCheckpointError]
     for one host's copy of a checkpoint split among hosts); [] when

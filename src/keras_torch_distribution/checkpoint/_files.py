@@ -32,10 +32,15 @@ A directory is removed by renaming it to ``*.removing`` first, so a
 half-removed checkpoint never looks complete.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import shutil
 import socket
+from typing import Any
+
+import torch.distributed as dist
 
 from keras_torch_distribution._distributed import agreement
 from keras_torch_distribution._log import logger
@@ -57,7 +62,9 @@ from keras_torch_distribution.checkpoint._storage import storage_groups
 # ---------------------------------------------------------------------------
 
 
-def prepare_directory(path, group=None):
+def prepare_directory(
+    path: str, group: dist.ProcessGroup | None = None
+) -> None:
     """Check the target, settle what an interrupted save left, clear a stale
     temporary directory (on every storage, by the lowest rank that sees it:
     `storage_groups`). Collective: call on every rank."""
@@ -81,7 +88,9 @@ def prepare_directory(path, group=None):
     agreement.agree(make_temporary, group)
 
 
-def discard_incomplete(path, group=None):
+def discard_incomplete(
+    path: str, group: dist.ProcessGroup | None = None
+) -> None:
     """Remove what a failed save wrote (`path`.incomplete) so that it does
     not hold the disk until the next save. Collective: call on every rank
     (every rank has seen the failure)."""
@@ -100,7 +109,12 @@ def discard_incomplete(path, group=None):
     agreement.barrier(group)
 
 
-def finish(path, marker, written, group=None):
+def finish(
+    path: str,
+    marker: dict[str, Any],
+    written: dict[str, dict[str, Any]],
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Record every rank's files (`written`: {name: {"bytes", "crc32"}} of
     this rank) in the marker, which completes the temporary directory, and
     move it into place: on each storage (`storage_groups`), its lowest rank
@@ -156,7 +170,7 @@ def finish(path, marker, written, group=None):
 
 # Rank 0's renames and removals go through these two (tests wrap them to
 # stop at each step of a replacement).
-def rename(source, target):
+def rename(source: str, target: str) -> None:
     os.rename(source, target)
 
 
@@ -172,7 +186,7 @@ def _fsync_directory(directory):
         os.close(descriptor)
 
 
-def write_json_atomically(path, value):
+def write_json_atomically(path: str, value: Any) -> None:
     """Write JSON to `path` through a temporary file renamed into place, so
     that `path` is either absent or whole."""
     text = json.dumps(value, indent=1, sort_keys=True)
@@ -191,7 +205,7 @@ def _write_atomically(path, data):
     _fsync_directory(os.path.dirname(path))
 
 
-def remove_checkpoint(directory):
+def remove_checkpoint(directory: str) -> None:
     """Remove a checkpoint directory: renamed to ``*.removing`` first (so a
     half-removed one never looks complete), then deleted."""
     trash = directory + REMOVING_SUFFIX
@@ -201,7 +215,7 @@ def remove_checkpoint(directory):
     _rmtree(trash)
 
 
-def settle(path):
+def settle(path: str) -> None:
     """Finish an interrupted replacement of the checkpoint at `path` and
     remove its leftovers: afterwards `path` holds the newest complete
     checkpoint (if any) and no ``.incomplete``, ``.old`` or ``.removing``

@@ -11,8 +11,11 @@ is always newer: a save starts by clearing it), else ``path``, else
 ``path.old``.
 """
 
+from __future__ import annotations
+
 import json
 import os
+from typing import Any
 
 from keras_torch_distribution._log import logger
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
@@ -28,7 +31,7 @@ OLD_SUFFIX = ".old"
 REMOVING_SUFFIX = ".removing"
 
 
-def normalize(path):
+def normalize(path: str | os.PathLike[str]) -> str:
     path = os.fspath(path)
     if not path:
         raise ValueError("The checkpoint path is empty; give a directory path.")
@@ -40,14 +43,14 @@ def normalize(path):
 # ---------------------------------------------------------------------------
 
 
-def has_marker(directory):
+def has_marker(directory: str) -> bool:
     """True when `directory` holds a completion marker and DCP's metadata."""
     return os.path.isfile(os.path.join(directory, MARKER)) and os.path.isfile(
         os.path.join(directory, METADATA)
     )
 
 
-def resolve(path):
+def resolve(path: str | os.PathLike[str]) -> str | None:
     """The directory holding the newest complete checkpoint of `path`
     (`path` itself, or what an interrupted replacement left), or None."""
     path = normalize(path)
@@ -57,13 +60,13 @@ def resolve(path):
     return None
 
 
-def is_checkpoint(path):
+def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True when `path` holds a complete checkpoint written by `save` (also
     one whose replacement a crash interrupted)."""
     return resolve(path) is not None
 
 
-def locate(path):
+def locate(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
     """(directory, marker) of the complete checkpoint of `path`; raises
     NotACheckpointError (DamagedCheckpointError for an unreadable marker)."""
     path = normalize(path)
@@ -108,7 +111,7 @@ def _missing_files(directory):
     return "has no " + " and no ".join(repr(name) for name in missing)
 
 
-def read_marker(path):
+def read_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The completion marker (a dict) of the checkpoint at `path`."""
     return locate(path)[1]
 

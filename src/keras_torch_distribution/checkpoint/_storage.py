@@ -40,7 +40,9 @@ def _cannot_write(path, error):
     )
 
 
-def storage_groups(folder, group=None):
+def storage_groups(
+    folder: str, group: dist.ProcessGroup | None = None
+) -> list[list[int]]:
     """The ranks that see the same files in `folder` (made on every rank
     of a multi-process run when missing): lists of ranks, each sorted,
     ordered by their lowest rank. [[0, 1, 2, 3]] on one shared filesystem,
@@ -67,7 +69,7 @@ def storage_groups(folder, group=None):
     return _storage[key]
 
 
-def forget_storage(folder=None):
+def forget_storage(folder: str | None = None) -> None:
     """Forget which ranks share `folder` (every folder by default): after
     the folder is removed, or when the process group goes."""
     if folder is None:
@@ -78,7 +80,7 @@ def forget_storage(folder=None):
         del _storage[key]
 
 
-def leads(groups):
+def leads(groups: list[list[int]]) -> bool:
     """True when this rank is the lowest of its storage group: the one that
     completes, renames and tidies the checkpoints that storage holds."""
     rank = runtime.process_id()

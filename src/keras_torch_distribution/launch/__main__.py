@@ -64,8 +64,6 @@ def run_target(argv):
 def _run(argv):
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(USAGE)
-    import keras_torch_distribution  # noqa: F401  (installs into Keras)
-
     if argv[0] == "-m":
         module = argv[1]
         sys.argv = [module] + list(argv[2:])  # run_module puts the file first

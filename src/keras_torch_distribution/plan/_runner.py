@@ -57,8 +57,6 @@ def plan(world, script, args=(), step="auto", progress=None):
             f"ktd plan: script {script!r} is not a file: give the path of "
             "the Python script to plan (ktd plan --world N script.py ARGS)."
         )
-    import keras_torch_distribution  # noqa: F401  (installs the package)
-
     started = time.perf_counter()
 
     def step_kind(model):
