@@ -178,6 +178,7 @@ def grouped(values_by_rank):
 # said at `say_grouped()` (a step's update, evaluate / predict, `ktd plan`'s
 # end, the interpreter's exit).
 _grouped = {}
+_said_at_exit = []  # say_grouped, once registered with atexit
 _GROUPED_SHOWN = 3  # subjects named in the line; the rest are counted
 
 
@@ -189,8 +190,8 @@ def warn_grouped(key, subject, message, *args):
     if (key, subject) in _warned:
         return
     _warned.add((key, subject))
-    if not _grouped:
-        atexit.register(say_grouped)
+    if not _said_at_exit:
+        _said_at_exit.append(atexit.register(say_grouped))
     _grouped.setdefault(key, [message, args, []])[2].append(subject)
 
 

@@ -2,7 +2,7 @@
 hand (rows, tokens, steps) over the time it measured, which a test
 callback around it encloses; the progress line shows them; MFU where the
 FLOPs are known (the 2-process global counts and worst rank are in
-tests/multiprocess/test_throughput_replicas.py)."""
+tests/multiprocess/test_throughput_ranks.py)."""
 
 import resource
 import time
