@@ -18,6 +18,7 @@ from keras_torch_distribution._install import install  # noqa: E402
 from keras_torch_distribution._install import is_installed  # noqa: E402
 from keras_torch_distribution._install import uninstall  # noqa: E402
 from keras_torch_distribution._keras import SUPPORTED_KERAS_TEXT  # noqa: E402
+from keras_torch_distribution._log import rank_zero_print  # noqa: E402
 from keras_torch_distribution._preemption import Preempted  # noqa: E402
 from keras_torch_distribution._processes.join import initialize  # noqa: E402
 from keras_torch_distribution._processes.runtime import num_processes  # noqa: E402
@@ -35,6 +36,7 @@ __all__ = [
     "is_installed",
     "num_processes",
     "process_id",
+    "rank_zero_print",
     "report",
     "uninstall",
 ]

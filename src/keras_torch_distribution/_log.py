@@ -1,14 +1,26 @@
-"""One rank-aware logger for the package: rank 0 speaks, others stay quiet.
+"""Rank 0 speaks for the job: the package's rank-aware logger, Python
+warnings, other libraries' logging and `rank_zero_print`.
 
-Set KTD_LOG_ALL_RANKS=1 to hear every rank; KTD_LOG_LEVEL (default WARNING)
-sets the level.
+- The package's logger: rank 0 only; records propagate to the
+  application's handlers, and keep their `[ktd rank N]` prefix there too
+  (`_RankPrefix`), even after another library's `logging.basicConfig`.
+- Python warnings: shown by rank 0 only, and a warning raised inside the
+  package (a Keras warning under the patch table's frames) is shown at the
+  user's line (`_show_warning`).
+- Other libraries' logging: on the other ranks the root logger's level is
+  ERROR while nobody configured it (`quiet_other_ranks`).
+
+KTD_LOG_ALL_RANKS=1 hears every rank; KTD_LOG_LEVEL (default WARNING) sets
+the package logger's level.
 """
 
 import atexit
+import builtins
 import logging
 import os
 import re
 import sys
+import warnings
 
 import torch.distributed as dist
 
@@ -58,8 +70,32 @@ class _UntilConfigured(logging.StreamHandler):
         return sys.stderr
 
     def emit(self, record):
-        if not logging.getLogger().handlers:
+        handlers = logging.getLogger().handlers
+        if not handlers:
             super().emit(record)
+        for handler in handlers:  # the application's: they print the record
+            if not isinstance(handler.formatter, _RankPrefix):
+                handler.setFormatter(_RankPrefix(handler.formatter))
+
+
+class _RankPrefix(logging.Formatter):
+    """An application's formatter, with `[ktd rank N] ` before the package
+    logger's records (and nothing changed for any other record)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record):
+        text = self.inner.format(record)
+        if record.name.startswith(logger.name) and hasattr(record, "rank"):
+            return f"[ktd rank {record.rank}] {text}"
+        return text
+
+    def __getattr__(self, name):  # the inner formatter's own attributes
+        if name == "inner":  # (not set yet: a copy being made)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 logger = logging.getLogger("keras_torch_distribution")
@@ -222,3 +258,70 @@ def subjects_text(paths):
     if variables is not slots and slots:
         text += f" and their {len(slots)} optimizer slots"
     return text
+
+
+# ---------------------------------------------------------------------------
+# Python warnings, other libraries' logging, print: once per job
+# ---------------------------------------------------------------------------
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_KERAS_SRC = os.path.join("keras", "src") + os.sep
+
+
+def _user_frame():
+    """(filename, line number) of the innermost frame outside this package,
+    Keras, torch and the warnings machinery: the user's line."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (
+            name.startswith(_PACKAGE_DIR)
+            or _KERAS_SRC in name
+            or os.sep + "torch" + os.sep in name
+            or name.endswith("warnings.py")
+            or name.startswith("<frozen")
+        ):
+            return name, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """`warnings.showwarning` for the package: other ranks show nothing
+    (unless KTD_LOG_ALL_RANKS=1), and a warning attributed to a line of
+    this package is shown at the user's line instead."""
+    if _rank() != 0 and not every_rank():
+        return
+    if filename.startswith(_PACKAGE_DIR):
+        found = _user_frame()
+        if found is not None:
+            filename, lineno = found
+            line = None
+    _shown_by(message, category, filename, lineno, file, line)
+
+
+_shown_by = warnings.showwarning
+if getattr(warnings.showwarning, "__name__", "") != _show_warning.__name__:
+    warnings.showwarning = _show_warning
+
+
+def quiet_other_ranks():
+    """On a rank other than 0, raise the root logger's level to ERROR while
+    nobody has configured it (no handler, level WARNING): other libraries'
+    warnings and info are then said once per job, by rank 0. Nothing with
+    KTD_LOG_ALL_RANKS=1."""
+    root = logging.getLogger()
+    if _rank() == 0 or every_rank():
+        return
+    if not root.handlers and root.level == logging.WARNING:
+        root.setLevel(logging.ERROR)
+
+
+def rank_zero_print(*args, **kwargs):
+    """`print`, on rank 0 only: said once per job however many processes
+    run it (the other ranks print nothing), as Lightning's
+    `rank_zero_info` and Accelerate's `accelerator.print`. Takes `print`'s
+    arguments. Rank 0 is the process group's, or torchrun's RANK before
+    the group starts."""
+    if _rank() == 0:
+        builtins.print(*args, **kwargs)

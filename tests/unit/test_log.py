@@ -3,6 +3,7 @@ application's own logging configuration receives the records (the logger
 propagates) instead of a second copy on stderr. No process group."""
 
 import logging
+import os
 
 import pytest
 
@@ -56,3 +57,91 @@ def test_other_ranks_are_quiet_unless_asked(root_handler, monkeypatch):
     monkeypatch.setenv("KTD_LOG_ALL_RANKS", "1")
     logger.warning("from rank one, asked")
     assert [r.rank for r in root_handler.records] == [1]
+
+
+def test_the_rank_prefix_survives_another_librarys_basic_config():
+    """An application's (or another library's) handler on the root logger
+    prints the package's records with `[ktd rank N]` in front; other
+    records as its own formatter says."""
+    import io
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        logging.Formatter("%(levelname)s:%(name)s:%(message)s")
+    )
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        logger.warning("said once")
+        logging.getLogger("another.library").warning("its own")
+    finally:
+        root.removeHandler(handler)
+    assert stream.getvalue().splitlines() == [
+        "[ktd rank 0] WARNING:keras_torch_distribution:said once",
+        "WARNING:another.library:its own",
+    ]
+
+
+def test_warnings_are_rank_0s_and_point_at_the_users_line(monkeypatch):
+    """A warning attributed to a line of the package (Keras' stacklevel
+    lands in the patch table's frames) is shown at the caller's line; the
+    other ranks show none unless KTD_LOG_ALL_RANKS=1."""
+
+    from keras_torch_distribution import _log
+
+    shown = []
+    monkeypatch.setattr(
+        _log,
+        "_shown_by",
+        lambda message, c, path, line, *_: shown.append(
+            (str(message), path, line)
+        ),
+    )
+
+    def show(rank):
+        monkeypatch.setenv("RANK", rank)
+        shown.clear()
+        _log._show_warning(
+            UserWarning("batch warning"),
+            UserWarning,
+            os.path.join(_log._PACKAGE_DIR, "_batch", "adapter.py"),
+            68,
+        )
+        return shown
+
+    line = show.__code__.co_firstlineno + 3  # `show`'s call of _show_warning
+    assert show("0") == [("batch warning", __file__, line)]
+    assert show("1") == []
+    monkeypatch.setenv("KTD_LOG_ALL_RANKS", "1")
+    assert show("1") == [("batch warning", __file__, line)]
+
+
+def test_other_libraries_logging_is_rank_0s(monkeypatch):
+    from keras_torch_distribution import _log
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers.clear()
+    root.setLevel(logging.WARNING)
+    try:
+        monkeypatch.setenv("RANK", "1")
+        _log.quiet_other_ranks()
+        assert root.level == logging.ERROR
+        root.setLevel(logging.WARNING)
+        monkeypatch.setenv("RANK", "0")
+        _log.quiet_other_ranks()
+        assert root.level == logging.WARNING
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+
+
+def test_rank_zero_print(monkeypatch, capsys):
+    import keras_torch_distribution as ktd
+
+    monkeypatch.setenv("RANK", "1")
+    ktd.rank_zero_print("from rank one")
+    monkeypatch.setenv("RANK", "0")
+    ktd.rank_zero_print("from rank", 0, sep=" ")
+    assert capsys.readouterr().out == "from rank 0\n"

@@ -385,3 +385,25 @@ def test_a_bad_world_size_is_named(monkeypatch):
         ValueError, match=r"^WORLD_SIZE='two' is not a number of processes"
     ):
         keras.distribution.list_devices()
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda", "GPU"])
+def test_a_cuda_request_where_cuda_is_absent_is_an_error(monkeypatch, value):
+    """KTD_DEVICE=gpu/cuda on a machine without CUDA: an error naming what
+    was found (torch's build, the devices it sees, CUDA_VISIBLE_DEVICES),
+    not a silent run on the CPU."""
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runtime.torch.version, "cuda", "12.4")
+    monkeypatch.setattr(runtime.torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("KTD_DEVICE", value)
+    with pytest.raises(
+        RuntimeError,
+        match=(
+            rf"^KTD_DEVICE={value} asks for CUDA, but CUDA is not available "
+            rf"here: torch {re.escape(runtime.torch.__version__)} is built "
+            r"with CUDA 12.4, it sees 0 CUDA device\(s\), "
+            r"CUDA_VISIBLE_DEVICES is ''\. Run on a machine with a GPU"
+        ),
+    ):
+        runtime.uses_cuda()

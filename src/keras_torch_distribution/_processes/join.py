@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution._log import logger
+from keras_torch_distribution._log import quiet_other_ranks
 from keras_torch_distribution._processes import environments
 from keras_torch_distribution._processes import lost_hosts
 from keras_torch_distribution._processes import rendezvous
@@ -145,6 +146,7 @@ def _start(
     seeds.initialize_rng(
         runtime.cpu_group() if runtime.is_multi_process() else None
     )
+    quiet_other_ranks()  # other libraries' logging: rank 0's, once
     logger.info(
         "initialized rank %d of %d (%s; %s)",
         dist.get_rank(),

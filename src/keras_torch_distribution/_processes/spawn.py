@@ -26,6 +26,7 @@ KTD_SPAWN=0. `why_not` says which of these holds.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -124,6 +125,7 @@ def start_processes(launch, timeout_seconds):
     naming the process that failed first. Never returns. The agent starts
     them again up to KTD_MAX_RESTARTS times after one fails, and passes
     SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 on to them."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import (
         ChildFailedError,
     )
@@ -167,4 +169,12 @@ def start_processes(launch, timeout_seconds):
     except ChildFailedError as error:
         report = failure_report(error.failures, LAUNCHER_NAME, full)
         raise SystemExit(f"{error}\n{report}" if full else report) from None
+    except SignalException as error:  # Ctrl-C, a scheduler's SIGTERM: one line
+        name = signal.Signals(error.sigval).name
+        print(
+            f"{LAUNCHER_NAME}: got {name}; the agent passed it on to the "
+            f"processes and stopped them. Exiting with {128 + error.sigval}.",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + error.sigval) from None
     raise SystemExit(0)

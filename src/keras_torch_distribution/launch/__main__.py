@@ -64,6 +64,10 @@ def run_target(argv):
 def _run(argv):
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(USAGE)
+    from keras_torch_distribution._log import quiet_other_ranks
+
+    quiet_other_ranks()  # other libraries' logging: rank 0's, once
+
     if argv[0] == "-m":
         module = argv[1]
         sys.argv = [module] + list(argv[2:])  # run_module puts the file first
