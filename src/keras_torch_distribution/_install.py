@@ -42,6 +42,7 @@ from keras_torch_distribution._training import gradients
 from keras_torch_distribution._training import metric_states
 from keras_torch_distribution._training import optimizer_update
 from keras_torch_distribution._training import regions
+from keras_torch_distribution._training import remat
 from keras_torch_distribution._training import replica_start
 from keras_torch_distribution._training import trainer
 from keras_torch_distribution._variables import born_sharded
@@ -160,6 +161,9 @@ def _patch_table():
             wrap=True,
         ),
         Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
+        # Rematerialization: the recompute replays the forward's layer calls
+        # in the forward's Keras call context (inner calls, not outermost).
+        Patch(k.torch_core_module, "remat", remat.remat, wrap=True),
         # No Keras name scope while dynamo traces a compiled block.
         Patch(
             k.Layer,

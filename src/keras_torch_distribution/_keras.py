@@ -475,6 +475,24 @@ def in_outer_call():
     return global_state.get_global_attribute("current_call_ctx") is None
 
 
+def current_call_context():
+    """The Keras `CallContext` of the layer call in progress (None outside
+    any): its entry layer and the `training` value it passes down."""
+    return global_state.get_global_attribute("current_call_ctx")
+
+
+@contextlib.contextmanager
+def call_context(context):
+    """Within the block, `context` is Keras' current layer-call context
+    (the one in progress before is put back after)."""
+    saved = global_state.get_global_attribute("current_call_ctx")
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", saved)
+
+
 RECORDABLE_INITIALIZER_CALLS = tuple(
     cls.__call__
     for cls in (
