@@ -223,6 +223,11 @@ def _patch_table():
         # Training: gradients averaged over replicas, metrics summed, Adam in
         # place.
         Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
+        # LossScaleOptimizer judges the averaged gradients finite or not:
+        # every rank skips or applies the same step.
+        Patch(
+            k.LossScaleOptimizer, "apply", trainer.optimizer_apply, wrap=True
+        ),
         Patch(
             k.TorchAdam,
             "_parallel_update_step",

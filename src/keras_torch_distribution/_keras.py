@@ -54,6 +54,7 @@ from keras.src.layers import layer as keras_layer
 from keras.src.layers.normalization import batch_normalization
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer
+from keras.src.optimizers import loss_scale_optimizer
 from keras.src.random import seed_generator
 from keras.src.saving import saving_lib
 from keras.src.trainers import data_adapters
@@ -272,19 +273,6 @@ def backup_position(callback):
 def optimizer_variables(optimizer):
     """The trainable variables an optimizer was built with."""
     return optimizer._trainable_variables
-
-
-def apply_count(optimizer):
-    """How many times `apply` ran (micro-steps, under gradient accumulation)."""
-    return int(optimizer._iterations)
-
-
-def gradient_accumulators(optimizer, variables):
-    """The gradient accumulator variable of each of `variables`."""
-    return [
-        optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
-        for v in variables
-    ]
 
 
 def adam_slots(optimizer, variables):
@@ -546,6 +534,7 @@ BatchNormalization = batch_normalization.BatchNormalization
 Layer = keras_layer.Layer
 Model = keras_model.Model
 BaseOptimizer = base_optimizer.BaseOptimizer
+LossScaleOptimizer = loss_scale_optimizer.LossScaleOptimizer
 TorchAdam = torch_adam.Adam
 TorchSGD = torch_sgd.SGD
 epoch_iterator_data_adapters = epoch_iterator.data_adapters

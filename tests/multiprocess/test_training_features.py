@@ -189,7 +189,76 @@ def remat_keras_hub():
     return dict(loss=history.history["loss"], weights=_weights(model))
 
 
+# --- loss scaling ---------------------------------------------------------
+
+
+def loss_scale_overflow(jit_compile=False):
+    """mixed_float16 with a LossScaleOptimizer, a row whose activations
+    overflow float16 in the first batch: only the replica that holds it
+    sees an infinite gradient, yet every rank skips that step and halves
+    its scale, as one process does on the global batch."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        model = _mlp()
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01), initial_scale=2.0**10
+        )
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+        x, y = _data()
+        x[1] = 6e4  # overflows float16 in `hidden` (eager)
+        y[1] = 6e4  # and the scaled gradient of `out` (compiled too)
+        history = model.fit(
+            x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0
+        )
+        return dict(
+            scale=float(optimizer.dynamic_scale),
+            iterations=int(optimizer.iterations),
+            weights=_weights(model),
+            finite_loss=np.isfinite(history.history["loss"]),
+        )
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def loss_scale_overflow_jit():
+    return loss_scale_overflow(jit_compile=True)
+
+
+# --- gradient accumulation ------------------------------------------------
+
+
+def _optimizer_state(optimizer):
+    return {
+        f"optimizer/{v.path}": np.asarray(v, "float32")
+        for v in optimizer.variables
+    }
+
+
+def accumulation():
+    """Adam(gradient_accumulation_steps=4): after 6 micro-steps (one update,
+    two micro-steps into the next) the weights and the optimizer state,
+    its gradient accumulators included, are one process's on every rank."""
+    model = _mlp()
+    optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=4)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = _data()
+    x, y = (
+        np.concatenate([x, x[: 2 * BATCH]]),
+        np.concatenate([y, y[: 2 * BATCH]]),
+    )
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0
+    )
+    return dict(
+        loss=history.history["loss"],
+        weights={**_weights(model), **_optimizer_state(optimizer)},
+    )
+
+
 FEATURES = {
+    "accumulation": accumulation,
+    "loss_scale_overflow": loss_scale_overflow,
+    "loss_scale_overflow_jit": loss_scale_overflow_jit,
     "remat_full": remat_full,
     "remat_keras_hub": remat_keras_hub,
     "remat_full_jit": remat_full_jit,
@@ -197,11 +266,21 @@ FEATURES = {
     "remat_layer": remat_layer,
 }
 # The features each distribution runs. Compiled steps cost seconds of
-# compile time each: one distribution runs them.
-COMPILED = {"remat_full_jit", "remat_keras_hub"}
+# compile time each, and keras_hub seconds to build: they run under one
+# distribution each, in the slow tests.
+SLOW_UNDER = {
+    "remat_full_jit": "fsdp",
+    "remat_keras_hub": "fsdp",
+    "loss_scale_overflow_jit": "dp",
+}
 UNDER = {
-    kind: [n for n in FEATURES if n not in COMPILED or kind == "fsdp"]
+    kind: [n for n in FEATURES if n not in SLOW_UNDER]
     for kind in ("dp", "tp", "fsdp", "2d")
+}
+# float16 compute: sums in another order differ in the last bits.
+TOLERANCES = {
+    "loss_scale_overflow": dict(rtol=1e-2, atol=1e-3),
+    "loss_scale_overflow_jit": dict(rtol=1e-2, atol=1e-3),
 }
 
 
@@ -237,6 +316,7 @@ def _reference(name):
 
 def _assert_equal(name, result, reference):
     assert not isinstance(reference, tuple), reference
+    tolerance = TOLERANCES.get(name, TOL)
     if isinstance(result, tuple):
         raise AssertionError(f"{name}: {result[1]}\n{result[2]}")
     for key, value in reference.items():
@@ -246,17 +326,17 @@ def _assert_equal(name, result, reference):
                     result["weights"][path],
                     weight,
                     err_msg=f"{name}: {path}",
-                    **TOL,
+                    **tolerance,
                 )
         else:
             np.testing.assert_allclose(
-                result[key], value, err_msg=f"{name}: {key}", **TOL
+                result[key], value, err_msg=f"{name}: {key}", **tolerance
             )
 
 
-def _check(kind, per_rank):
+def _check(kind, per_rank, names=None):
     failures = []
-    for name in UNDER[kind]:
+    for name in names or UNDER[kind]:
         for rank, results in enumerate(per_rank):
             try:
                 _assert_equal(name, results[name], _reference(name))
@@ -273,3 +353,10 @@ def test_features_on_2_processes(pool2, kind):
 
 def test_features_on_2x2(pool4):
     _check("2d", pool4.run(_run, "2d", UNDER["2d"], timeout=600))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dp", "fsdp"])
+def test_slow_features_on_2_processes(pool2, kind):
+    names = [n for n, k in SLOW_UNDER.items() if k == kind]
+    _check(kind, pool2.run(_run, kind, names, timeout=600), names)
