@@ -54,6 +54,7 @@ from keras.src.layers import layer as keras_layer
 from keras.src.layers.normalization import batch_normalization
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer
+from keras.src.optimizers import loss_scale_optimizer
 from keras.src.random import seed_generator
 from keras.src.saving import saving_lib
 from keras.src.trainers import data_adapters
@@ -292,19 +293,6 @@ def optimizer_variables(optimizer):
     return optimizer._trainable_variables
 
 
-def apply_count(optimizer):
-    """How many times `apply` ran (micro-steps, under gradient accumulation)."""
-    return int(optimizer._iterations)
-
-
-def gradient_accumulators(optimizer, variables):
-    """The gradient accumulator variable of each of `variables`."""
-    return [
-        optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
-        for v in variables
-    ]
-
-
 def adam_slots(optimizer, variables):
     """(momentums, velocities, velocity hats or None) of `variables`, as
     tensors, in the order of `variables` (Keras' Adam and AdamW)."""
@@ -493,6 +481,24 @@ def in_outer_call():
     return global_state.get_global_attribute("current_call_ctx") is None
 
 
+def current_call_context():
+    """The Keras `CallContext` of the layer call in progress (None outside
+    any): its entry layer and the `training` value it passes down."""
+    return global_state.get_global_attribute("current_call_ctx")
+
+
+@contextlib.contextmanager
+def call_context(context):
+    """Within the block, `context` is Keras' current layer-call context
+    (the one in progress before is put back after)."""
+    saved = global_state.get_global_attribute("current_call_ctx")
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", saved)
+
+
 RECORDABLE_INITIALIZER_CALLS = tuple(
     cls.__call__
     for cls in (
@@ -546,6 +552,7 @@ BatchNormalization = batch_normalization.BatchNormalization
 Layer = keras_layer.Layer
 Model = keras_model.Model
 BaseOptimizer = base_optimizer.BaseOptimizer
+LossScaleOptimizer = loss_scale_optimizer.LossScaleOptimizer
 TorchAdam = torch_adam.Adam
 TorchSGD = torch_sgd.SGD
 epoch_iterator_data_adapters = epoch_iterator.data_adapters

@@ -27,6 +27,7 @@ from keras_torch_distribution._training import boundary
 from keras_torch_distribution._training import compiled
 from keras_torch_distribution._training import optimizer_update
 from keras_torch_distribution._training import regions
+from keras_torch_distribution._training import remat
 from keras_torch_distribution._training import replica_start
 from keras_torch_distribution._training import trainer
 from keras_torch_distribution._variables import born_sharded
@@ -143,6 +144,9 @@ def _patch_table():
             wrap=True,
         ),
         Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
+        # Rematerialization: the recompute replays the forward's layer calls
+        # in the forward's Keras call context (inner calls, not outermost).
+        Patch(k.torch_core_module, "remat", remat.remat, wrap=True),
         # No Keras name scope while dynamo traces a compiled block.
         Patch(
             k.Layer,
@@ -202,6 +206,11 @@ def _patch_table():
         # Training: gradients averaged over replicas, metrics summed, Adam in
         # place.
         Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
+        # LossScaleOptimizer judges the averaged gradients finite or not:
+        # every rank skips or applies the same step.
+        Patch(
+            k.LossScaleOptimizer, "apply", trainer.optimizer_apply, wrap=True
+        ),
         Patch(
             k.TorchAdam,
             "_parallel_update_step",

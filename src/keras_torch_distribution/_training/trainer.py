@@ -31,9 +31,13 @@ from keras_torch_distribution._variables import left_whole
 
 
 def optimizer_apply(original, optimizer, grads, trainable_variables=None):
-    """Keras `BaseOptimizer.apply`: align each gradient to its variable's
-    layout and average gradients over data-parallel replicas, then apply.
-    Collective: call on every rank."""
+    """Keras `BaseOptimizer.apply` and `LossScaleOptimizer.apply`: align
+    each gradient to its variable's layout and average gradients over
+    data-parallel replicas, then apply. An optimizer that wraps another
+    (LossScaleOptimizer) synchronises before it looks at the gradients, so
+    that every rank judges the same averaged gradients finite or not and
+    skips or applies the same step; the inner optimizer's `apply` then
+    synchronises nothing. Collective: call on every rank."""
     if not torch.compiler.is_compiling():
         say_grouped()  # the model's and its slots' findings, before a step
     if gradients.optimizer_sync.apply_depth or len(grads) == 0:
