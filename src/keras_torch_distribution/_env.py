@@ -7,10 +7,15 @@ variable, the value and what is accepted:
 - KTD_TIMEOUT_SECONDS: how long the rendezvous and every collective wait for
   a peer, in (0, MAX_TIMEOUT_SECONDS]; default 300.
 - KTD_DEVICE: "cpu" runs on CPU processes (gloo) even where CUDA exists;
-  unset (or "gpu") uses CUDA when it is available.
+  "gpu" (or "cuda") requires CUDA (an error where it is not available);
+  unset uses CUDA when it is available.
 - KTD_LOG_LEVEL: the package logger's level (a `logging` level name);
   default WARNING.
-- KTD_LOG_ALL_RANKS: "1" lets every rank log, not only rank 0.
+- KTD_LOG_ALL_RANKS: "1" lets every rank log and warn (the package's
+  logger, Python warnings, other libraries' logging), not only rank 0.
+- KTD_FULL_TRACEBACKS: "1" has every failing rank print its whole
+  traceback (and torchrun its failure table) instead of the first failure's
+  traceback once, without the launcher's frames.
 - KTD_PREEMPTION_SIGNALS: the signals that preempt a multi-process `fit`
   (every rank saves its backup at one agreed step and exits with 128 + the
   signal), comma-separated names; default "SIGTERM,SIGUSR1"; "none" leaves
@@ -81,16 +86,24 @@ def timeout_seconds():
     return value
 
 
-def forces_cpu():
-    """True when KTD_DEVICE=cpu asks for CPU processes where CUDA exists."""
+def device_request():
+    """KTD_DEVICE: "cpu", "cuda" (for gpu or cuda: CUDA is required), or
+    None when it is unset (CUDA when it is available)."""
     text = os.environ.get("KTD_DEVICE", "")
-    if text.lower() not in ("", "cpu", "gpu", "cuda"):
+    choice = text.strip().lower()
+    if choice not in ("", "cpu", "gpu", "cuda"):
         raise ValueError(
             f"KTD_DEVICE={text!r} is not a device choice: set KTD_DEVICE=cpu "
-            "to run on CPU processes (gloo) even where CUDA exists; unset it "
-            "(or set gpu) to use CUDA when it is available."
+            "to run on CPU processes (gloo) even where CUDA exists, gpu (or "
+            "cuda) to require CUDA, or unset it to use CUDA when it is "
+            "available."
         )
-    return text.lower() == "cpu"
+    return {"": None, "gpu": "cuda"}.get(choice, choice)
+
+
+def forces_cpu():
+    """True when KTD_DEVICE=cpu asks for CPU processes where CUDA exists."""
+    return device_request() == "cpu"
 
 
 def log_level():
@@ -104,9 +117,27 @@ def log_level():
     return getattr(logging, text.upper())
 
 
+def _flag(name):
+    """A "0"/"1" setting as a bool (unset: False)."""
+    text = os.environ.get(name)
+    if text is None or text.strip() in ("", "0"):
+        return False
+    if text.strip() == "1":
+        return True
+    raise ValueError(
+        f"{name}={text!r} is neither 1 (on) nor 0 (off, the default): set one "
+        "of those, or unset it."
+    )
+
+
 def log_all_ranks():
-    """True when KTD_LOG_ALL_RANKS=1 lets every rank log."""
-    return os.environ.get("KTD_LOG_ALL_RANKS") == "1"
+    """True when KTD_LOG_ALL_RANKS=1 lets every rank log and warn."""
+    return _flag("KTD_LOG_ALL_RANKS")
+
+
+def full_tracebacks():
+    """True when KTD_FULL_TRACEBACKS=1 prints every rank's whole traceback."""
+    return _flag("KTD_FULL_TRACEBACKS")
 
 
 DEFAULT_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
@@ -227,3 +258,33 @@ def max_restarts():
             "e.g. KTD_MAX_RESTARTS=3, or unset it (0, the default: none)."
         )
     return value
+
+
+# Every KTD_* setting read here, with its default as `ktd env` shows it.
+# (KTD_CLUSTER and KTD_SPAWN are read by `_processes`, which checks them.)
+SETTINGS = (
+    ("KTD_TIMEOUT_SECONDS", f"{DEFAULT_TIMEOUT_SECONDS:g}", timeout_seconds),
+    ("KTD_DEVICE", "CUDA if available", device_request),
+    ("KTD_LOG_LEVEL", "WARNING", log_level),
+    ("KTD_LOG_ALL_RANKS", "0", log_all_ranks),
+    ("KTD_FULL_TRACEBACKS", "0", full_tracebacks),
+    ("KTD_MAX_RESTARTS", "0", max_restarts),
+    ("KTD_PREEMPTION_SIGNALS", "SIGTERM,SIGUSR1", preemption_signals),
+    ("KTD_PREEMPTION_WAIT", f"{DEFAULT_PREEMPTION_WAIT:g}", preemption_wait),
+    ("KTD_SLURM_REQUEUE", "auto", slurm_requeue),
+    ("KTD_FSDP_GROUP", "block", fsdp_group),
+    ("KTD_FSDP_PREFETCH", "1 on CUDA, 0 on CPU", lambda: fsdp_prefetch(0)),
+    ("KTD_FAST_OPS", "1", fast_ops),
+)
+
+
+def setting_errors():
+    """[(name, error message)] for each setting of `SETTINGS` whose value
+    is refused."""
+    errors = []
+    for name, _, read in SETTINGS:
+        try:
+            read()
+        except ValueError as error:
+            errors.append((name, str(error)))
+    return errors

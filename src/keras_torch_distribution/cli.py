@@ -1,31 +1,14 @@
-"""The `ktd` command: `ktd run -n N script.py [args]`, `ktd env`, `ktd
-report`, `ktd plan`."""
+"""What `ktd env` and `ktd report` do. The `ktd` command's parser is
+`keras_torch_distribution_cli` (a package of its own, so that `ktd --help`
+imports neither torch nor Keras); `main` is its."""
 
 from __future__ import annotations
 
 import os
 import platform
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-USAGE = (
-    "usage:\n"
-    "  ktd run -n N [torchrun options] SCRIPT [ARGS]"
-    "   run SCRIPT on N processes\n"
-    "  ktd env                                        "
-    " versions, devices, settings, and the\n"
-    "                                                 "
-    " job initialize() would join here\n"
-    "  ktd report CHECKPOINT                          "
-    " each variable's shards in a checkpoint\n"
-    "  ktd plan --world N [--json PATH] SCRIPT [ARGS] "
-    " per-rank memory, collectives\n"
-    "                                                 "
-    " of SCRIPT at N, simulated\n"
-)
+from keras_torch_distribution_cli import main
 
 
 def print_env() -> int:
@@ -58,13 +41,6 @@ def print_env() -> int:
         "MASTER_ADDR",
         "MASTER_PORT",
         "KERAS_BACKEND",
-        "KTD_TIMEOUT_SECONDS",
-        "KTD_DEVICE",
-        "KTD_CLUSTER",
-        "KTD_SPAWN",
-        "KTD_MAX_RESTARTS",
-        "KTD_PREEMPTION_SIGNALS",
-        "KTD_PREEMPTION_WAIT",
         "GLOO_SOCKET_IFNAME",
         "NCCL_SOCKET_IFNAME",
         "OMP_NUM_THREADS",
@@ -73,7 +49,54 @@ def print_env() -> int:
     lines.update(_host_lines())
     for key, value in lines.items():
         print(f"{key:26} {value}")
-    return print_launch()
+    bad = print_settings()
+    return print_launch() or bad
+
+
+def setting_rows():
+    """(name, shown value, error or None) for every KTD_* setting that
+    docs/launching.md lists: its value, or "(default: ...)" when unset."""
+    from keras_torch_distribution import _env
+    from keras_torch_distribution._processes import environments
+    from keras_torch_distribution._processes import record
+
+    errors = dict(_env.setting_errors())
+    try:
+        record.spawn_setting(os.environ)
+    except ValueError as error:
+        errors["KTD_SPAWN"] = str(error)
+    cluster = os.environ.get("KTD_CLUSTER", "").strip().lower()
+    names = [name for name, _ in environments.ROWS]
+    if cluster and cluster != "none" and cluster not in names:
+        errors["KTD_CLUSTER"] = (
+            f"KTD_CLUSTER={os.environ['KTD_CLUSTER']!r} names no environment: "
+            f"set one of {', '.join(names)}, or none (no detection), or unset "
+            "it (detect)."
+        )
+    defaults = [(name, default) for name, default, _ in _env.SETTINGS]
+    defaults += [
+        ("KTD_CLUSTER", "detect"),
+        ("KTD_SPAWN", "one process per local GPU"),
+    ]
+    rows = []
+    for name, default in defaults:
+        value = os.environ.get(name)
+        shown = f"(default: {default})" if value is None else value
+        rows.append((name, shown, errors.get(name)))
+    return rows
+
+
+def print_settings() -> int:
+    """Print every KTD_* setting, each bad one flagged with its fix; 1 when
+    one is bad."""
+    print("\nsettings:")
+    bad = 0
+    for name, shown, error in setting_rows():
+        print(f"  {name:24} {shown}")
+        if error:
+            print(f"  {'':24} ^ BAD: {error}")
+            bad = 1
+    return bad
 
 
 def _host_lines():
@@ -109,50 +132,19 @@ def print_launch() -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The `ktd` command on `argv` (default: `sys.argv[1:]`); its exit
-    status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    command, rest = argv[0], argv[1:]
-    if command == "run":
-        from keras_torch_distribution.launch import _torchrun
+def report(path) -> int:
+    """`ktd report CHECKPOINT`: each variable's shards; 2 (after the error)
+    when `path` is no checkpoint."""
+    from keras_torch_distribution._report import checkpoint_table
+    from keras_torch_distribution._report import format_checkpoint_table
+    from keras_torch_distribution.checkpoint import NotACheckpointError
 
-        try:
-            _torchrun.run(rest)
-        except _torchrun.Signalled as stopped:
-            print(stopped.message, file=sys.stderr)
-            return stopped.code
-        return 0
-    if command == "env":
-        return print_env()
-    if command == "plan":
-        from keras_torch_distribution.plan import _command as plan_command
-
-        status, text = plan_command.run(rest)
-        print(text, file=sys.stderr if status else sys.stdout)
-        return status
-    if command == "report":
-        if len(rest) != 1:
-            print(
-                f"ktd report: give one checkpoint directory\n{USAGE}",
-                file=sys.stderr,
-            )
-            return 2
-        from keras_torch_distribution._report import checkpoint_table
-        from keras_torch_distribution._report import format_checkpoint_table
-        from keras_torch_distribution.checkpoint import NotACheckpointError
-
-        try:
-            print(format_checkpoint_table(checkpoint_table(rest[0])))
-        except NotACheckpointError as error:
-            print(f"ktd report: {error}", file=sys.stderr)
-            return 2
-        return 0
-    print(f"ktd: unknown command {command!r}\n{USAGE}", file=sys.stderr)
-    return 2
+    try:
+        print(format_checkpoint_table(checkpoint_table(path)))
+    except NotACheckpointError as error:
+        print(f"ktd report: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

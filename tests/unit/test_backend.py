@@ -224,9 +224,9 @@ def test_every_patch_target_exists_on_the_installed_keras():
     """The patch table of the installed Keras (3.15 or 3.16: the patches
     only 3.16 needs are in it only there) names only attributes that
     exist, and each of the version-dependent ones where its feature is."""
-    from keras_torch_distribution import _install
+    from keras_torch_distribution import _patches
 
-    table = _install._patch_table()
+    table = _patches._patch_table()
     missing = [p.describe() for p in table if not hasattr(p.owner, p.name)]
     assert missing == []
     targets = {p.describe() for p in table}
@@ -256,9 +256,15 @@ def test_devices_in_one_process():
     assert keras.distribution.get_device_count() == 1
     assert keras.distribution.get_device_count("cpu") == 1
     assert keras.distribution.list_devices("tpu") == []
-    if not torch.cuda.is_available():
-        assert keras.distribution.list_devices("gpu") == []
-        assert keras.distribution.get_device_count("gpu") == 0
+    if not torch.cuda.is_available():  # an error naming what was found
+        with pytest.raises(
+            RuntimeError,
+            match=r"^list_devices\('gpu'\) asks for GPUs, but CUDA is not "
+            r"available here: torch .* is built without CUDA",
+        ):
+            keras.distribution.list_devices("gpu")
+        with pytest.raises(RuntimeError, match="asks for GPUs"):
+            keras.distribution.get_device_count("gpu")
     # Listing devices starts no process group.
     assert not dist.is_initialized()
     assert distribution_lib.num_processes() == 1

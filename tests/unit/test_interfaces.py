@@ -194,4 +194,4 @@ def test_ktd_env_shows_the_host_and_the_interface_settings(
         "package picks an interface)"
     ) in lines
     assert "GLOO_SOCKET_IFNAME         eth1" in lines
-    assert "KTD_MAX_RESTARTS           None" in lines
+    assert "  KTD_MAX_RESTARTS         (default: 0)" in lines

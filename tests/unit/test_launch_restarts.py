@@ -206,11 +206,11 @@ def test_a_signal_to_ktd_run_ends_it_with_128_plus_the_signal(
         "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1")
     )
     with pytest.raises(SystemExit) as exited:
-        _torchrun.run(["-n", "2", "t.py"])
+        _torchrun.run(["-n", "2", __file__])
     assert exited.value.code == 138
     from keras_torch_distribution import cli
 
-    assert cli.main(["run", "-n", "2", "t.py"]) == 138
+    assert cli.main(["run", "-n", "2", __file__]) == 138
     assert capsys.readouterr().err == (
         "ktd run: got SIGUSR1; torchrun passed it on to the ranks and stopped "
         "them. Exiting with 138, as a process ended by SIGUSR1.\n"

@@ -163,6 +163,9 @@ def test_bad_timeout_setting_is_refused_before_ranks_start(
         _torchrun.run(["-n", "2", "train.py"])
 
 
+_SCRIPT = __file__  # a script that exists (`run` refuses a missing one)
+
+
 class _HeldPort:
     """A port another program holds: a listening socket on 127.0.0.1."""
 
@@ -190,13 +193,13 @@ def _port_in_use_message(port):
 def test_a_held_master_port_is_refused_before_ranks_start(no_launch):
     with _HeldPort() as port:
         for argv in (
-            ["--master-port", str(port), "-n", "2", "t.py"],
+            ["--master-port", str(port), "-n", "2", _SCRIPT],
             [
                 "--master-addr=127.0.0.1",
                 f"--master_port={port}",
                 "-n",
                 "2",
-                "t.py",
+                _SCRIPT,
             ],
         ):
             with pytest.raises(SystemExit, match=_port_in_use_message(port)):
@@ -219,7 +222,7 @@ def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
 
     monkeypatch.setattr(torch_run, "main", taken)
     with pytest.raises(SystemExit, match=_port_in_use_message(port)):
-        _torchrun.run(["--master-port", str(port), "-n", "2", "t.py"])
+        _torchrun.run(["--master-port", str(port), "-n", "2", _SCRIPT])
     # Other nodes host nothing: their torchrun runs unchecked.
     seen = []
     monkeypatch.setattr(torch_run, "main", seen.append)
@@ -234,7 +237,7 @@ def test_a_master_port_taken_after_the_check_is_named_too(monkeypatch):
                 "1",
                 "-n",
                 "1",
-                "t.py",
+                _SCRIPT,
             ]
         )
     assert len(seen) == 1
@@ -306,9 +309,10 @@ def test_failure_summary_prefers_a_killed_rank_to_one_that_lost_it(tmp_path):
         "other processes."
     )
     # Alone, the rank that lost its peer is named, with what that means.
+    # torchrun's SIGTERM, which stopped it after it raised, is no cause.
     summary = failure_summary({0: failures[0]})
     assert summary.startswith(
-        "ktd run: rank 0 (local rank 0) failed first, exit code -15 (SIGTERM): "
+        "ktd run: rank 0 (local rank 0) failed first: "
         "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
         "error [127.0.0.1]:16296: Connection reset by peer. This is typically "
         "caused by a remote worker hanging or bugs in the application. It lost "

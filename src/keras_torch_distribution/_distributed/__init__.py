@@ -3,7 +3,9 @@ process group is `_processes`').
 
 Modules, bottom first (a module imports only those above it):
 
-- `sharding_rules`: DTensor rules torch lacks or gets wrong; `uninstall()`
+- `attention_rules`: DTensor rules of the attention ops.
+- `older_torch_rules`: DTensor rules torch<2.13 lacks or gets wrong.
+- `sharding_rules`: those rules registered with DTensor; `uninstall()`
   gives torch its own back.
 - `masked_lookup`: a vocabulary-sharded lookup's other rows zeroed without
   a host sync (torch's `MaskBuffer.apply_mask`, replaced through the patch

@@ -1,12 +1,21 @@
-"""Why a launch failed: the one line naming the process that failed first
-(or was preempted: it exited with 128 + SIGTERM or SIGUSR1, resumable).
+"""Why a launch failed, said once for the job (`failure_report`): the
+traceback of the process that failed first (without the launcher's frames),
+one line for each other process, and the one line naming the process that
+failed first (or was preempted: it exited with 128 + SIGTERM or SIGUSR1,
+resumable). Every process's whole traceback goes to a file.
 
 Used by `ktd run` and by the local processes `initialize()` starts (both
-run torch's elastic agent, whose `ChildFailedError.failures` this reads).
+run torch's elastic agent, whose `ChildFailedError.failures` this reads;
+each process records its exception as `launch._record` writes it).
 """
 
+import contextlib
+import logging
+import os
 import re
 import signal
+import tempfile
+import time
 
 from keras_torch_distribution._log import first_line
 
@@ -69,8 +78,9 @@ def first_failure(failures):
     the first failure). So a rank that failed only because its peer died (a
     broken connection) can look first. Order: ranks that failed for a
     reason of their own (an exception, a signal) before ranks that lost a
-    peer; then the earliest; in a tie, ranks that torchrun may have stopped
-    (SIGTERM, nothing recorded) last.
+    peer; then the earliest second; in a tie, ranks that torchrun may have
+    stopped (SIGTERM, nothing recorded) last, then the earliest by the time
+    `launch._record` wrote (to the microsecond).
     """
 
     def order(rank):
@@ -81,7 +91,8 @@ def first_failure(failures):
             -signal.SIGTERM,
             128 + signal.SIGTERM,  # stopped, by a rank that handles SIGTERM
         )
-        return (lost_peer, failure.timestamp, maybe_stopped, rank)
+        at = _failed_at(failure)
+        return (lost_peer, int(at), maybe_stopped, at, rank)
 
     rank = min(failures, key=order)
     return rank, failures[rank]
@@ -117,14 +128,14 @@ def failure_summary(failures, launcher="ktd run"):
         if _LOST_PEER.search(exception)
         else ""
     )
-    exit_code = f"exit code {failure.exitcode}"
-    if failure.exitcode < 0:  # stopped by torchrun after it raised
-        exit_code += f" ({failure.signal_name()})"
+    # A rank that raised and was then stopped by torchrun (a negative exit
+    # code) failed by its exception: the stop signal is no cause.
+    exit_code = (
+        f", exit code {failure.exitcode}" if failure.exitcode > 0 else ""
+    )
     return (
-        f"{who} failed first, {exit_code}: {_cause(exception)}"
-        f"{lost_peer} torchrun stopped the other processes; that rank's "
-        "traceback is above. If a rank hangs instead, KTD_TIMEOUT_SECONDS "
-        "bounds how long collectives wait for it."
+        f"{who} failed first{exit_code}: {_cause(exception)}{lost_peer} "
+        "torchrun stopped the other processes; that rank's traceback is above."
     )
 
 
@@ -164,6 +175,122 @@ def signal_meaning(signal_name):
         "That is a crash in native code, not a Python exception, so it left no "
         "Python traceback; its last output above may say why."
     )
+
+
+def failure_report(failures, launcher="ktd run", full_tracebacks=False):
+    """What a launcher prints when ranks failed: the first failure's short
+    traceback, one line per other rank, where every rank's whole traceback
+    was written, and last `failure_summary`. With `full_tracebacks`, every
+    rank printed its own whole traceback already: the summary alone."""
+    summary = failure_summary(failures, launcher)
+    if full_tracebacks:
+        return summary
+    first_rank, first = first_failure(failures)
+    lines = []
+    short = _extra(first).get("ktd_traceback")
+    if short:
+        lines.append(f"rank {first_rank}: {short.rstrip()}")
+    for rank in sorted(failures):
+        if rank != first_rank:
+            lines.append(
+                f"rank {rank}: {_other(failures[rank], first_rank, first)}"
+            )
+    path = _write_tracebacks(failures)
+    if path is not None:
+        lines.append(
+            f"{launcher}: every rank's whole traceback is in {path} "
+            "(KTD_FULL_TRACEBACKS=1 prints them instead)."
+        )
+    lines.append(summary)
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def quiet_agent_logs(quiet=True):
+    """Hide torch's elastic agent's own log lines ("Sending process ...
+    closing signal SIGTERM", "failed (exitcode: 1)", its failure table's
+    notes) while it runs, unless `quiet` is False: `failure_report` says
+    what they say, once. torch sets each of its loggers' level itself, so
+    each is set here (and restored)."""
+    if not quiet:
+        yield
+        return
+    import torch.distributed.elastic.agent.server.api  # noqa: F401
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+    import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith(
+            ("torch.distributed.elastic", "torch.distributed.run")
+        )
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _other(failure, first_rank, first):
+    """The line for a rank that did not fail first."""
+    exception = _exception(failure)
+    if exception is None:
+        if failure.exitcode in (-signal.SIGTERM, -signal.SIGINT):
+            return (
+                f"stopped by the launcher ({failure.signal_name()}) after "
+                f"rank {first_rank} failed."
+            )
+        if failure.exitcode < 0:
+            return (
+                f"died by signal {failure.signal_name()}. "
+                f"{signal_meaning(failure.signal_name())}"
+            )
+        return f"exit code {failure.exitcode}, no Python exception on record."
+    if exception == _exception(first):
+        return "same error."
+    return _cause(exception)
+
+
+def _write_tracebacks(failures):
+    """Write every failed rank's whole traceback to a file; its path, or
+    None when no rank recorded one."""
+    parts = []
+    for rank in sorted(failures):
+        callstack = _extra(failures[rank]).get("py_callstack")
+        if callstack:
+            parts.append(f"=== rank {rank} ===\n{callstack.rstrip()}\n")
+    if not parts:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    handle, path = tempfile.mkstemp(
+        prefix=f"ktd-failure-{stamp}-", suffix=".txt", text=True
+    )
+    with os.fdopen(handle, "w") as file:
+        file.write("\n".join(parts))
+    return path
+
+
+def _extra(failure):
+    """The extra fields of a rank's error file (`launch._record`'s), or {}."""
+    message = getattr(failure, "message", None)
+    if isinstance(message, dict) and isinstance(message.get("extraInfo"), dict):
+        return message["extraInfo"]
+    return {}
+
+
+def _failed_at(failure):
+    """When the rank failed: `launch._record`'s time to the microsecond, or
+    torchrun's whole second."""
+    try:
+        return float(_extra(failure)["ktd_time"])
+    except (KeyError, TypeError, ValueError):
+        return float(failure.timestamp)
 
 
 def _exception(failure):

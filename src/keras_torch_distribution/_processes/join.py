@@ -260,14 +260,26 @@ def list_devices(device_type: str | None = None) -> list[str]:
     Returns:
         The global devices, one per process: `"<type>:<rank>"` for each
         rank of the running process group (one when none runs); an empty
-        list for `"tpu"`, and for `"gpu"` on a CPU run.
+        list for `"tpu"`, and for `"gpu"` under KTD_DEVICE=cpu.
 
     Raises:
         ValueError: `device_type` is none of these, or asks for CPU devices
             in a run that computes on CUDA.
+        RuntimeError: `"gpu"` where CUDA is not available (as JAX's
+            `jax.devices("gpu")` on a machine without one), naming what
+            was found.
     """
     kind = runtime._normalize_device_type(device_type)
-    if kind == "tpu" or (kind == "gpu" and not runtime.uses_cuda()):
+    if kind == "gpu" and not runtime.uses_cuda():
+        if runtime.torch.cuda.is_available():  # KTD_DEVICE=cpu
+            return []
+        raise RuntimeError(
+            f"list_devices({device_type!r}) asks for GPUs, but "
+            f"{runtime.cuda_found()} Use keras.distribution.list_devices() "
+            "for this run's devices (CPUs here), or run on a machine with a "
+            "GPU and a CUDA build of torch."
+        )
+    if kind == "tpu":
         return []
     if kind == "cpu" and runtime.uses_cuda():
         raise ValueError(

@@ -36,10 +36,35 @@ def uses_cuda() -> bool:
     KTD_DEVICE=cpu does not ask for CPU processes. Under KTD_DEVICE=cpu,
     Keras' own torch device is made "cpu" too (`keep_keras_on_cpu`), so
     that every tensor Keras makes is one gloo can carry."""
-    if _env.forces_cpu():
+    request = _env.device_request()
+    if request == "cpu":
         keep_keras_on_cpu()
         return False
+    if request == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"KTD_DEVICE={os.environ.get('KTD_DEVICE')} asks for CUDA, but "
+            f"{cuda_found()} Run on a machine with a GPU and a CUDA build of "
+            "torch, or unset KTD_DEVICE (or set cpu) to run on CPU processes."
+        )
     return torch.cuda.is_available()
+
+
+def cuda_found() -> str:
+    """What this process sees of CUDA, as a sentence: torch's build, the
+    visible devices, CUDA_VISIBLE_DEVICES."""
+    build = torch.version.cuda
+    built = (
+        f"torch {torch.__version__} is built with CUDA {build}"
+        if build
+        else f"torch {torch.__version__} is built without CUDA (a CPU build)"
+    )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if visible is None else repr(visible)
+    count = torch.cuda.device_count() if build else 0
+    return (
+        f"CUDA is not available here: {built}, it sees {count} CUDA "
+        f"device(s), CUDA_VISIBLE_DEVICES is {shown}."
+    )
 
 
 def keep_keras_on_cpu() -> None:

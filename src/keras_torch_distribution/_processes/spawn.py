@@ -33,7 +33,8 @@ import uuid
 
 import keras_torch_distribution._processes.environments as environments
 from keras_torch_distribution import _env
-from keras_torch_distribution._processes.failures import failure_summary
+from keras_torch_distribution._processes.failures import failure_report
+from keras_torch_distribution._processes.failures import quiet_agent_logs
 
 # The directory Python started in: the script's relative paths (its own
 # path in sys.argv[0] included) mean this, even if it changed directory
@@ -159,11 +160,11 @@ def start_processes(launch, timeout_seconds):
     os.environ[LAUNCHED_VARIABLE] = "1"
     os.environ[PARENT_PID_VARIABLE] = str(os.getpid())
     os.chdir(_STARTUP_DIRECTORY)
+    full = _env.full_tracebacks()
     try:
-        elastic_launch(config, sys.executable)(*command)
+        with quiet_agent_logs(not full):
+            elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as error:
-        raise SystemExit(
-            f"{error}\n"
-            f"{failure_summary(error.failures, launcher=LAUNCHER_NAME)}"
-        ) from None
+        report = failure_report(error.failures, LAUNCHER_NAME, full)
+        raise SystemExit(f"{error}\n{report}" if full else report) from None
     raise SystemExit(0)

@@ -141,8 +141,7 @@ def _chunks(every):
         value = blocks[0]
         nbytes = value.numel() * value.element_size()
         if chunk and (
-            size + nbytes > limit
-            or not _same_kind(chunk[0][0], value)
+            size + nbytes > limit or not _same_kind(chunk[0][0], value)
         ):
             yield chunk
             chunk, size = [], 0

@@ -96,7 +96,10 @@ def sharded_layout(variable):
             torch_layout = layout.backend_layout
     if torch_layout is not None:
         torch_layout = layouts.for_variable(
-            torch_layout, variable.shape, f"variable {variable.path!r}"
+            torch_layout,
+            variable.shape,
+            f"variable {variable.path!r}",
+            path=variable.path,
         )
         if not torch_layout.is_sharded:
             torch_layout = None

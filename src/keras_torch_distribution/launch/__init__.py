@@ -9,6 +9,8 @@ does not load it.
 
 Modules, bottom first (a module imports only those above it):
 
+- `_record`: a failing rank records its exception (and a traceback
+  without the launcher's frames) for the launcher, which prints it once.
 - `_stuck_agent`: a node whose torchrun agent cannot reach the rendezvous
   store ends anyway, with the failed rank's error.
 - `_torchrun`: `ktd run`, over torchrun.

@@ -4,7 +4,8 @@ keras_torch_distribution.launch SCRIPT [ARGS]` (or `-m MODULE [ARGS]`).
 `ktd run` and the local processes `initialize()` starts run every process
 this way: the backend is installed into Keras before the script runs (so
 an unchanged Keras script runs on torch), a failing process records its
-exception where the launcher's failure summary reads it, and a process
+exception where the launcher reads it (`_record`: the launcher prints the
+first failure once, for the whole job), and a process
 whose launcher dies (even by SIGKILL) is killed with it rather than left
 running.
 """
@@ -77,10 +78,24 @@ def _run(argv):
     runpy.run_path(script, run_name="__main__")
 
 
-if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
+def main(argv):
+    """Run the target; a failure is recorded for the launcher, which
+    prints it once for the job (`_record`), and Ctrl-C ends the rank
+    quietly with 130 (the launcher says so in one line)."""
+    import faulthandler
 
+    from keras_torch_distribution.launch._record import record_failure
+
+    faulthandler.enable(all_threads=True)  # as torch's `record`
+    try:
+        run_target(argv)
+    except KeyboardInterrupt:
+        sys.exit(128 + signal.SIGINT)
+    except Exception as error:
+        record_failure(error)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
     die_with_parent()
-    # record: a failing rank writes its error where torchrun's failure
-    # summary shows it, so the summary names the exception, not only "rank 1".
-    record(run_target)(sys.argv[1:])
+    main(sys.argv[1:])

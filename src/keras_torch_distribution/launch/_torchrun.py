@@ -7,12 +7,16 @@ plus: KERAS_BACKEND=torch, OMP_NUM_THREADS=1 per process unless set, and the
 script runs with this package installed into Keras even if it never imports
 it, so an unchanged Keras-on-JAX distribution script runs on torch.
 
-When a rank fails, torchrun stops the others and `ktd run` exits non-zero
-with a last line naming the rank that failed first and its exception (or
-the signal that killed it, or the preemption signal it stopped on); with
-`--max-restarts N` torchrun starts every rank again instead, up to N times.
-SIGUSR1 is added to the signals torchrun's agent passes on to the ranks.
-Bad arguments and settings are refused before any rank starts.
+When a rank fails, torchrun stops the others and `ktd run` prints the
+error once (`_processes.failures.failure_report`: the first failure's
+traceback without the launcher's frames, a line per other rank) and exits
+non-zero with a last line naming the rank that failed first and its
+exception (or the signal that killed it, or the preemption signal it
+stopped on); with `--max-restarts N` torchrun starts every rank again
+instead, up to N times. SIGUSR1 is added to the signals torchrun's agent
+passes on to the ranks. Bad arguments and settings (a missing script, a
+bad -n, a KTD_* value, CUDA asked for where there is none) are refused in
+one line, exit 2, before any rank starts (`Refused`).
 """
 
 import errno
@@ -21,7 +25,8 @@ import signal
 import socket
 
 from keras_torch_distribution import _env
-from keras_torch_distribution._processes.failures import failure_summary
+from keras_torch_distribution._processes.failures import failure_report
+from keras_torch_distribution._processes.failures import quiet_agent_logs
 from keras_torch_distribution._processes.spawn import PARENT_PID_VARIABLE
 from keras_torch_distribution._processes.spawn import handled_signals
 from keras_torch_distribution.launch._stuck_agent import Watch
@@ -61,6 +66,18 @@ _SIGNALS_VARIABLE = "PET_SIGNALS_TO_HANDLE"
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
+class Refused(SystemExit):
+    """An argument or setting refused before any rank starts: `ktd` prints
+    `message` (one line) and exits 2, as for any usage error."""
+
+    def __init__(self, message):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
 def _flag_options():
     """torchrun options that take no value (from torchrun's own parser)."""
     from torch.distributed import run as torch_run
@@ -92,7 +109,7 @@ def torchrun_arguments(argv):
         name, sep, value = option.partition("=")
         name = _OWN_OPTIONS.get(name, name)
         if name in _UNSUPPORTED_OPTIONS:
-            raise SystemExit(
+            raise Refused(
                 f"ktd run: torchrun's {name} is not supported: `ktd run` runs "
                 "a Python script file with the backend installed, e.g. `ktd "
                 "run -n 2 train.py`. Use torchrun directly for modules or "
@@ -101,7 +118,7 @@ def torchrun_arguments(argv):
             )
         if not sep and name not in flags:
             if index + 1 >= len(argv):
-                raise SystemExit(
+                raise Refused(
                     f"ktd run: option {name} needs a value, e.g. "
                     "`ktd run -n 2 train.py`."
                 )
@@ -116,7 +133,7 @@ def torchrun_arguments(argv):
         if name == "--nproc-per-node":
             _check_nproc(option.partition("=")[0], value)
     if index >= len(argv):
-        raise SystemExit(
+        raise Refused(
             "ktd run: give a script to run, e.g. `ktd run -n 2 train.py`"
         )
     multi_node = nnodes not in ("1", "1:1") or any(
@@ -151,7 +168,7 @@ def _check_nproc(option, value):
     would end in a bare AssertionError)."""
     if value in _NPROC_WORDS or (value.isdigit() and int(value) > 0):
         return
-    raise SystemExit(
+    raise Refused(
         f"ktd run: {option} {value} is not a number of processes per node: "
         "give a whole number of at least 1, e.g. `ktd run -n 2 train.py` (or "
         f"one of torchrun's {', '.join(_NPROC_WORDS)})."
@@ -160,11 +177,52 @@ def _check_nproc(option, value):
 
 def _check_settings():
     """Refuse bad KTD_* settings here, once, rather than in every rank."""
-    for read in (_env.timeout_seconds, _env.forces_cpu, _env.log_level):
-        try:
-            read()
-        except ValueError as error:
-            raise SystemExit(f"ktd run: {error}") from None
+    from keras_torch_distribution._processes import record
+
+    for _, error in _env.setting_errors():
+        raise Refused(f"ktd run: {error}")
+    try:
+        record.spawn_setting(os.environ)
+    except ValueError as error:
+        raise Refused(f"ktd run: {error}") from None
+
+
+def _check_script(argv):
+    """Refuse a script file that is not there (each rank would fail on it)."""
+    script = argv[argv.index("keras_torch_distribution.launch") + 1]
+    if not os.path.isfile(script):
+        where = os.path.abspath(script)
+        raise Refused(
+            f"ktd run: no script {script!r} (looked for {where}): give the "
+            "path of a Python file, e.g. `ktd run -n 2 train.py`."
+        )
+
+
+def _check_cuda(arguments):
+    """Refuse a CUDA request (KTD_DEVICE=gpu/cuda, `-n gpu`) where CUDA is
+    not available, naming what was found, before any rank starts."""
+    import torch
+
+    from keras_torch_distribution._processes import runtime
+
+    nproc = (
+        arguments[arguments.index("--nproc-per-node") + 1]
+        if ("--nproc-per-node" in arguments)
+        else None
+    )
+    asked = []
+    if _env.device_request() == "cuda":
+        asked.append(f"KTD_DEVICE={os.environ['KTD_DEVICE']}")
+    if nproc == "gpu":
+        asked.append("-n gpu (one process per GPU)")
+    if not asked or torch.cuda.is_available():
+        return
+    raise Refused(
+        f"ktd run: {' and '.join(asked)} asks for CUDA, but "
+        f"{runtime.cuda_found()} Run it on a machine with a GPU and a CUDA "
+        "build of torch, or give a number of CPU processes, e.g. `ktd run -n "
+        "2 train.py` (and unset KTD_DEVICE)."
+    )
 
 
 def _hosted_port(arguments):
@@ -208,9 +266,7 @@ def _check_port_free(port):
         except OSError as error:
             if error.errno != errno.EADDRINUSE:
                 raise
-            raise SystemExit(
-                _port_in_use_message(port, error.strerror)
-            ) from None
+            raise Refused(_port_in_use_message(port, error.strerror)) from None
 
 
 def _watch_agent(arguments):
@@ -251,6 +307,8 @@ def run(argv):
 
     arguments = torchrun_arguments(argv)
     _check_settings()
+    _check_cuda(arguments)
+    _check_script(arguments)
     port = _hosted_port(arguments)
     if port is not None:
         _check_port_free(port)
@@ -258,14 +316,16 @@ def run(argv):
     parent_before = os.environ.get(PARENT_PID_VARIABLE)
     os.environ[PARENT_PID_VARIABLE] = str(os.getpid())
     watch = _watch_agent(arguments)
+    full = _env.full_tracebacks()
     try:
-        torch_run.main(arguments)
+        with quiet_agent_logs(not full):
+            torch_run.main(arguments)
     except ChildFailedError as error:
-        # torchrun stopped every other process when this one failed; say
-        # which rank failed first, without the launcher's own traceback.
-        raise SystemExit(
-            f"{error}\n{failure_summary(error.failures)}"
-        ) from None
+        # torchrun stopped every other process when this one failed: the
+        # error once, and which rank failed first, without the launcher's
+        # own traceback (KTD_FULL_TRACEBACKS=1: torchrun's table as well).
+        report = failure_report(error.failures, full_tracebacks=full)
+        raise SystemExit(f"{error}\n{report}" if full else report) from None
     except SignalException as error:
         # torchrun's agent got a signal it handles (SIGTERM, SIGUSR1, ...),
         # passed it on to the ranks, stopped them and does not restart them.
@@ -280,7 +340,7 @@ def run(argv):
         if port is None or "EADDRINUSE" not in str(error):
             raise
         # Taken between our check and torchrun's own bind.
-        raise SystemExit(
+        raise Refused(
             _port_in_use_message(port, "address already in use")
         ) from None
     finally:  # (run() is also called in tests' own process)
