@@ -8,10 +8,10 @@ Model: Input(width) -> `layers` Dense(width), float32, no optimizer
 2 processes (torchrun, gloo), so each rank writes about half of it.
 
 Every rank records the size and CRC-32 of each file it writes, computed
-while writing (`checkpoint._dcp._HashingStream`), and `load` verifies each
+while writing (`checkpoint._streams._HashingStream`), and `load` verifies each
 file it reads first. Timed, alternately, `repeats` times each:
   save with checksums    -- `checkpoint.save` as shipped;
-  save without checksums -- the same with `_dcp.CHECKSUMS_ON_SAVE = False`
+  save without checksums -- the same with `_streams.CHECKSUMS_ON_SAVE = False`
                             (the marker then lists no files);
   load verified          -- `checkpoint.load` of the first (every file read
                             once more for its CRC-32 before DCP reads it);
@@ -56,7 +56,7 @@ def worker(case):
     import keras_torch_distribution  # noqa: F401
     from keras_torch_distribution import checkpoint
     from keras_torch_distribution._log import logger
-    from keras_torch_distribution.checkpoint import _dcp
+    from keras_torch_distribution.checkpoint import _streams
 
     logger.setLevel(logging.ERROR)  # the unverified checkpoint warns on load
     width, layers, full_bytes, rank, mesh = _start_worker()
@@ -79,11 +79,11 @@ def worker(case):
         return float(seconds)
 
     def save(checksums):
-        _dcp.CHECKSUMS_ON_SAVE = checksums
+        _streams.CHECKSUMS_ON_SAVE = checksums
         try:
             checkpoint.save(model, paths[checksums])
         finally:
-            _dcp.CHECKSUMS_ON_SAVE = True
+            _streams.CHECKSUMS_ON_SAVE = True
 
     times = {
         "save_with": [],
@@ -176,8 +176,8 @@ def main():
             "measure": (
                 "wall time of checkpoint.save / checkpoint.load, the slower "
                 "rank's, median of the repeats; 'without' = "
-                "_dcp.CHECKSUMS_ON_SAVE False (nothing recorded, so nothing "
-                "verified on load)"
+                "_streams.CHECKSUMS_ON_SAVE False (nothing recorded, so "
+                "nothing verified on load)"
             ),
             "median_s": medians,
             "save_ratio_with_over_without": save_ratio,

@@ -30,12 +30,20 @@ callbacks included, as a user runs it; for raw torch a loop over the same
 batches); for the torch-backed modes, one `train_function` step counted:
 `ops` (aten ops dispatched), `kernels` (ops that are not views), `syncs`
 (ops that would make the host wait for a GPU, `testing.count_ops`) and
-`python_calls` (function calls the interpreter makes). Ratios are to raw
-torch's eager step of the same run. Results: benchmarks/results/
+`python_calls` (function calls the interpreter makes); torch's own Adam
+reads its step counts on the host, where they live even on a GPU: those
+reads wait for nothing and are not counted as syncs. Plain Keras is
+counted without this package installed (`_op_counts` is loaded by its
+path). Ratios are to raw
+torch's eager step of the same run. For the package, `ops_gpu_path`,
+`kernels_gpu_path` and `syncs_gpu_path` count the step as a GPU runs it
+(its Adam in foreach kernels; on a CPU it updates one variable at a
+time). Results: benchmarks/results/
 keras_step.json.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -78,17 +86,56 @@ def _python_calls(function):
     return calls[0]
 
 
-def _counted(step):
-    from keras_torch_distribution import testing
+def _op_counts():
+    """The package's `_op_counts` module, loaded by its path: importing it
+    through the package would install the package into plain Keras."""
+    name = "_ktd_op_counts"
+    if name not in sys.modules:
+        path = os.path.join(
+            HERE, "..", "src", "keras_torch_distribution", "_op_counts.py"
+        )
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
-    with testing.count_ops() as counts:
+
+# torch's Adam (not capturable, not fused) keeps each variable's step count
+# in a host tensor and reads it there: host reads that never wait for a GPU.
+HOST_SIDE = "torch/optim/"
+
+
+def _counted(step):
+    with _op_counts().count_ops() as counts:
         step()
+    syncs = sum(
+        n
+        for (_, issuer), n in counts.sync_sources.items()
+        if not issuer.startswith(HOST_SIDE)
+    )
     return dict(
         ops=counts.total,
         kernels=counts.kernels,
-        syncs=sum(counts.syncs.values()),
+        syncs=syncs,
         python_calls=_python_calls(step),
     )
+
+
+def _counted_gpu_path(step):
+    """The package's counts with a GPU's code path: on a CPU its Adam
+    updates one variable at a time, on a GPU (as Keras' and torch's Adam
+    on any device) in foreach kernels."""
+    from keras_torch_distribution._training import optimizer_update
+
+    saved = optimizer_update._use_foreach
+    optimizer_update._use_foreach = lambda value: True
+    try:
+        counts = _counted(step)
+    finally:
+        optimizer_update._use_foreach = saved
+    return {
+        f"{name}_gpu_path": counts[name] for name in ("ops", "kernels", "syncs")
+    }
 
 
 def _timed(run_steps, steps):
@@ -202,6 +249,8 @@ def keras_worker(mode, shape_name, steps):
         function = model.train_function
         function(batch)
         result.update(_counted(lambda: function(batch)))
+        if mode.startswith("ktd"):
+            result.update(_counted_gpu_path(lambda: function(batch)))
         del np
     return result
 
@@ -291,7 +340,15 @@ def main():
                 f"  kernels {row['kernels']:4.0f}"
                 f" ({row['kernels_vs_torch']:.2f}x)"
                 f"  syncs {row['syncs']:3.0f}"
-                f"  python calls {row['python_calls']:6.0f}"
+                + (
+                    f"  gpu path: ops {row['ops_gpu_path']:5.0f}"
+                    f" ({row['ops_gpu_path'] / base['ops']:.2f}x) kernels"
+                    f" {row['kernels_gpu_path']:4.0f}"
+                    f" ({row['kernels_gpu_path'] / base['kernels']:.2f}x)"
+                    if "ops_gpu_path" in row
+                    else ""
+                )
+                + f"  python calls {row['python_calls']:6.0f}"
                 if "ops" in row
                 else ""
             )

@@ -439,7 +439,7 @@ def _heap():
 def _mark_groups(sampler):
     """Diagnostics: a mark before each FSDP group's regather and after
     each reduce-scatter of its gradients."""
-    from keras_torch_distribution._fsdp import groups
+    from keras_torch_distribution._fsdp import group_calls
     from keras_torch_distribution._fsdp import lookup_gradients
 
     def wrap_backward(cls, label):
@@ -453,16 +453,16 @@ def _mark_groups(sampler):
 
         cls.backward = staticmethod(backward)
 
-    wrap_backward(groups._GroupGather, "group")
+    wrap_backward(group_calls._GroupGather, "group")
     wrap_backward(lookup_gradients._RankMajorLookup, "lookup")
-    regathered = groups._BucketSource.regathered
+    regathered = group_calls._BucketSource.regathered
 
     def marked(self, key):
         if self.tensors is None:
             sampler.mark("before regather")
         return regathered(self, key)
 
-    groups._BucketSource.regathered = marked
+    group_calls._BucketSource.regathered = marked
 
 
 def _malloc_trim():

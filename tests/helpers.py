@@ -478,7 +478,7 @@ def preempt_fit(out, attempt, how="none", step=0, rank=1, save_freq="epoch"):
 
     from keras_torch_distribution._processes import runtime
     from keras_torch_distribution.checkpoint import ShardedCheckpoint
-    from keras_torch_distribution.checkpoint import _dcp
+    from keras_torch_distribution.checkpoint import _streams
 
     keras.distribution.set_distribution(keras.distribution.DataParallel())
     model = checkpoint_model()
@@ -520,14 +520,14 @@ def preempt_fit(out, attempt, how="none", step=0, rank=1, save_freq="epoch"):
             restore=True,
         )
         if attempt == 0 and me == rank:
-            real_open = _dcp._open
+            real_open = _streams._open
 
             def dying_open(path, mode):
                 if f"ckpt-{step:09d}" in str(path):
                     os.kill(os.getpid(), signal.SIGKILL)
                 return real_open(path, mode)
 
-            _dcp._open = dying_open
+            _streams._open = dying_open
     else:
         backup = keras.callbacks.BackupAndRestore(
             os.path.join(out, "backup"), save_freq=save_freq

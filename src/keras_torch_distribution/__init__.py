@@ -12,6 +12,7 @@ import os
 # (unless KERAS_BACKEND says otherwise, which `install()` then reports).
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
+from keras_torch_distribution import callbacks  # noqa: E402
 from keras_torch_distribution import checkpoint  # noqa: E402
 from keras_torch_distribution._install import install  # noqa: E402
 from keras_torch_distribution._install import is_installed  # noqa: E402
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Preempted",
     "SUPPORTED_KERAS_TEXT",
+    "callbacks",
     "checkpoint",
     "initialize",
     "install",

@@ -1,41 +1,30 @@
-"""The top layer: the patch table, and install / uninstall / is_installed.
+"""The top layer: install / uninstall / is_installed, and the exit hook.
 
-Only `__init__.py` imports this module. It wires the Keras attributes that
-`_keras.py` exposes to their replacements in the feature modules, checks
-that every target exists before changing anything, keeps the originals, and
-`uninstall()` puts everything back and clears every cache.
+Only `__init__.py` imports this module. It applies the patch table
+(`_patches`): it checks that every target exists before changing anything,
+keeps the originals, and `uninstall()` puts everything back and clears
+every cache.
 """
 
 import atexit
-import functools
 import gc
 import warnings
 
 import keras
 
-from keras_torch_distribution import _env
 from keras_torch_distribution import _keras
 from keras_torch_distribution import _saving
-from keras_torch_distribution._backend import core as backend_core
-from keras_torch_distribution._backend import distribution_lib
-from keras_torch_distribution._backend import keras_ops
-from keras_torch_distribution._backend import nn as backend_nn
-from keras_torch_distribution._backend import numpy as backend_numpy
-from keras_torch_distribution._batch import adapter
 from keras_torch_distribution._batch import position
-from keras_torch_distribution._batch import random_slices
-from keras_torch_distribution._batch import sync_batch_norm
 from keras_torch_distribution._distributed import layouts
-from keras_torch_distribution._distributed import masked_lookup
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._distributed import sharding_rules
-from keras_torch_distribution._fsdp import einsum_grad
+from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._fsdp import flat_shards
 from keras_torch_distribution._fsdp import gathering
 from keras_torch_distribution._fsdp import groups
+from keras_torch_distribution._patches import _patch_table
 from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
-from keras_torch_distribution._training import batch_logs
 from keras_torch_distribution._training import boundary
 from keras_torch_distribution._training import compiled
 from keras_torch_distribution._training import gradients
@@ -43,338 +32,9 @@ from keras_torch_distribution._training import metric_states
 from keras_torch_distribution._training import optimizer_update
 from keras_torch_distribution._training import regions
 from keras_torch_distribution._training import replica_start
-from keras_torch_distribution._training import trainer
 from keras_torch_distribution._variables import born_sharded
 from keras_torch_distribution._variables import copies
 from keras_torch_distribution.checkpoint import _dcp
-from keras_torch_distribution.checkpoint import callbacks
-
-
-class Patch:
-    """Replace `owner.name` with `replacement`; `wrap=True` passes the
-    original as the replacement's first argument."""
-
-    def __init__(self, owner, name, replacement, wrap=False):
-        self.owner = owner
-        self.name = name
-        self.replacement = replacement
-        self.wrap = wrap
-        self.original = None
-        self.inherited = False
-
-    def describe(self):
-        owner = getattr(self.owner, "__qualname__", None) or getattr(
-            self.owner, "__name__", repr(self.owner)
-        )
-        return f"{owner}.{self.name}"
-
-
-def _patch_table():
-    """Every Keras attribute the package replaces, grouped by concern.
-
-    Two changes sit outside this table, both undone by `uninstall()` too:
-    `_distributed.sharding_rules.register()` adds DTensor rules to torch's
-    own tables (`DTensor._op_dispatcher`; clearing
-    `sharding_rules.registration` puts torch's back), and
-    `_keras.initializers_drawing_from` swaps Keras' initializers' random
-    module inside one `with` block while a sharded variable is initialised
-    (`_variables.sharded_init`).
-    """
-    k = _keras
-    fast = _env.fast_ops()
-    return [
-        # The backend module keras.distribution calls.
-        Patch(k.keras_backend_module, "distribution_lib", distribution_lib),
-        Patch(
-            k.keras_distribution_module, "distribution_lib", distribution_lib
-        ),
-        # Variables: born sharded, gathered for use on the batch axis (FSDP),
-        # reassigned in place, read as global values.
-        Patch(
-            k.TorchVariable, "_initialize", born_sharded.initialize, wrap=True
-        ),
-        Patch(
-            k.TorchVariable,
-            "_initialize_with_initializer",
-            born_sharded.initialize_with_initializer,
-            wrap=True,
-        ),
-        Patch(
-            k.TorchVariable,
-            "_direct_assign",
-            born_sharded.direct_assign,
-            wrap=True,
-        ),
-        Patch(
-            k.TorchVariable,
-            "_convert_to_tensor",
-            born_sharded.convert_for_assign,
-            wrap=True,
-        ),
-        Patch(
-            k.TorchVariable,
-            "_maybe_autocast",
-            born_sharded.value_for_use,
-            wrap=True,
-        ),
-        Patch(k.TorchVariable, "__array__", born_sharded.to_numpy, wrap=True),
-        Patch(k.TorchVariable, "__repr__", born_sharded.describe, wrap=True),
-        # Under FSDP, einsum keeps its operands for backward (gathered
-        # kernels are then regathered), not copies of them (with the fast
-        # ops, a matrix product where the equation is one, first).
-        Patch(
-            k.torch_numpy_module,
-            "einsum",
-            backend_numpy.einsum if fast else einsum_grad.einsum,
-            wrap=True,
-        ),
-        *[
-            Patch(owner, "convert_to_numpy", keras_ops.to_numpy, wrap=True)
-            for owner in k.CONVERT_TO_NUMPY_OWNERS
-        ],
-        # In-place writes that meet DTensors (keras_hub's KV cache, samplers,
-        # BatchNormalization's scaling by sharded parameters).
-        Patch(
-            k.torch_core_module,
-            "slice_update",
-            keras_ops.slice_update,
-            wrap=True,
-        ),
-        Patch(
-            k.torch_core_module,
-            "scatter_update",
-            keras_ops.scatter_update,
-            wrap=True,
-        ),
-        Patch(
-            k.torch_nn_module,
-            "batch_normalization",
-            keras_ops.batch_normalization,
-            wrap=True,
-        ),
-        # The model boundary and jit_compile.
-        Patch(
-            k.torch_nn_module,
-            "_can_use_flash_attention",
-            compiled.can_use_flash_attention,
-            wrap=True,
-        ),
-        Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
-        # No Keras name scope while dynamo traces a compiled block.
-        Patch(
-            k.Layer,
-            "_open_name_scope",
-            regions.name_scope_while_compiling,
-            wrap=True,
-        ),
-        Patch(k.Layer, "_get_own_losses", boundary.plain_losses, wrap=True),
-        Patch(
-            k.Layer,
-            "_get_regularization_losses",
-            boundary.plain_losses,
-            wrap=True,
-        ),
-        # Distributions check their batch axis and mesh when constructed.
-        Patch(
-            k.Distribution,
-            "__init__",
-            distribution_lib.check_distribution,
-            wrap=True,
-        ),
-        # Step functions, one factory for train / test / predict: replicas
-        # made equal before the first step, then Keras' step (the model call
-        # compiled under jit_compile=True); predictions of every replica.
-        *[
-            Patch(
-                k.TorchTrainer,
-                f"make_{kind}_function",
-                functools.partial(replica_start.make_step_function, kind),
-                wrap=True,
-            )
-            for kind in compiled.STEP_KINDS
-        ],
-        # A replica's rows (and a sharded activation's columns) of the random
-        # draws one process makes for the global batch.
-        Patch(
-            k.torch_random_module, "dropout", random_slices.dropout, wrap=True
-        ),
-        Patch(k.torch_random_module, "normal", random_slices.normal, wrap=True),
-        Patch(
-            k.torch_random_module, "uniform", random_slices.uniform, wrap=True
-        ),
-        Patch(
-            k.torch_random_module, "randint", random_slices.randint, wrap=True
-        ),
-        # Moments over the global batch (all replicas' rows).
-        Patch(
-            k.BatchNormalization, "_moments", sync_batch_norm.moments, wrap=True
-        ),
-        # Data: each replica its rows of the global batch.
-        Patch(
-            k.epoch_iterator_data_adapters,
-            "get_data_adapter",
-            adapter.get_data_adapter,
-            wrap=True,
-        ),
-        # Training: gradients averaged over replicas, metrics summed, Adam in
-        # place.
-        Patch(k.BaseOptimizer, "apply", trainer.optimizer_apply, wrap=True),
-        Patch(
-            k.TorchAdam,
-            "_parallel_update_step",
-            optimizer_update.adam_update,
-            wrap=True,
-        ),
-        Patch(k.Model, "get_metrics_result", trainer.metrics_result, wrap=True),
-        Patch(k.Model, "fit", trainer.quiet_on_other_ranks, wrap=True),
-        Patch(k.Model, "evaluate", trainer.quiet_on_other_ranks, wrap=True),
-        Patch(k.Model, "predict", trainer.quiet_on_other_ranks, wrap=True),
-        # Files: Keras files from rank 0, sharded checkpoints for backups.
-        Patch(k.Model, "save", _saving.save, wrap=True),
-        Patch(k.Model, "save_weights", _saving.save_weights, wrap=True),
-        Patch(k.Model, "summary", _saving.summary, wrap=True),
-        Patch(
-            k.keras_file_utils_module, "makedirs", _saving.makedirs, wrap=True
-        ),
-        *[
-            Patch(store, name, replacement, wrap=True)
-            for store in k.KERAS_FILE_STORES
-            for name, replacement in (
-                ("__init__", _saving.store_init),
-                ("close", _saving.store_close),
-            )
-        ],
-        Patch(
-            k.BackupAndRestore, "_save_model", callbacks.backup_save, wrap=True
-        ),
-        Patch(
-            k.BackupAndRestore, "_load_model", callbacks.backup_load, wrap=True
-        ),
-        Patch(
-            k.BackupAndRestore,
-            "on_train_end",
-            callbacks.backup_train_end,
-            wrap=True,
-        ),
-        Patch(
-            k.BackupAndRestore,
-            "_should_save_on_batch",
-            callbacks.backup_should_save_on_batch,
-            wrap=True,
-        ),
-        # Resume: where fit is in its data, saved with backups and resumed
-        # at exactly that batch.
-        Patch(
-            k.EpochIterator,
-            "_enumerate_iterator",
-            position.enumerate_batches,
-            wrap=True,
-        ),
-        *_native_distribution_off(k),
-        *(_fast_ops(k) if fast else []),
-    ]
-
-
-def _fast_ops(k):
-    """Keras' own torch ops made faster, each with Keras' numbers
-    (KTD_FAST_OPS=0 leaves them out; the einsum row above then wraps
-    Keras' einsum for FSDP only)."""
-    return [
-        # A Python number becomes a tensor on the device without a copy
-        # from the host (no host sync).
-        *[
-            Patch(
-                owner,
-                "convert_to_tensor",
-                backend_core.convert_to_tensor,
-                wrap=True,
-            )
-            for owner in k.CONVERT_TO_TENSOR_OWNERS
-        ],
-        # A batch's logs read on the host only when shown or used.
-        Patch(
-            k.CallbackList,
-            "_on_train_batch_end",
-            batch_logs.train_batch_end,
-            wrap=True,
-        ),
-        Patch(
-            k.CallbackList,
-            "_on_test_batch_end",
-            batch_logs.test_batch_end,
-            wrap=True,
-        ),
-        # SGD without reading the learning rate on the host.
-        Patch(
-            k.TorchSGD,
-            "_parallel_update_step",
-            optimizer_update.sgd_update,
-            wrap=True,
-        ),
-        # torch's DTensor: a vocabulary-sharded lookup's masked rows zeroed
-        # without a host sync.
-        *(
-            [
-                Patch(
-                    masked_lookup.MaskBuffer,
-                    "apply_mask",
-                    masked_lookup.apply_mask,
-                    wrap=True,
-                )
-            ]
-            if masked_lookup.MaskBuffer is not None
-            else []
-        ),
-        # The cross-entropy of (rows, classes), the class dim contiguous.
-        Patch(
-            k.torch_nn_module,
-            "sparse_categorical_crossentropy",
-            backend_nn.sparse_categorical_crossentropy,
-            wrap=True,
-        ),
-    ]
-
-
-def _native_distribution_off(k):
-    """Keras 3.16's torch backend distributes data, wraps DDP and
-    distributes variables itself; each of these the package does its own
-    way (README, "Supported versions"), so exactly one of the two does it:
-    the native ones are turned off here, where they exist. Keras 3.15 has
-    none of them (see `_keras`, "What differs between the Keras versions").
-    Metric reduction and the compiled step's `autograd.grad` are handled
-    where the package does them (`trainer.metrics_result`,
-    `_keras.train_step_calls_backward`)."""
-    patches = []
-    if k.NATIVE_TORCH_TRAINING:
-        patches += [
-            # Batches stay each replica's plain rows: no DTensor of the
-            # global batch (the epoch iterator, train/test/predict_on_batch).
-            Patch(
-                k.torch_trainer_module,
-                "distribute_data_input",
-                distribution_lib.distribute_data_input,
-            ),
-            Patch(
-                k.TorchEpochIterator,
-                "_get_iterator",
-                adapter.torch_dataloader_batches,
-                wrap=True,
-            ),
-            # No DistributedDataParallel: gradients are averaged once.
-            Patch(k.TorchTrainer, "_initialize_ddp", trainer.no_ddp, wrap=True),
-        ]
-    if k.NATIVE_VARIABLE_DISTRIBUTION:
-        # Born sharded, not distributed from a full value.
-        patches.append(
-            Patch(
-                k.TorchVariable,
-                "_initialize_distributed",
-                born_sharded.not_natively_distributed,
-                wrap=True,
-            )
-        )
-    return patches
-
 
 _MISSING = object()
 _installed = []
@@ -510,6 +170,8 @@ def _state_objects():
         sharding_rules.registration,  # torch's own rules and handlers back
         # implicit replication off; no sharded variables seen
         born_sharded.state,
+        stored_values.reads,  # bytes read from weights files
+        _saving.archive_loads,  # .keras archives being loaded
         # overlapped reducers and their gradient hooks
         gradients.optimizer_sync,
         metric_states.state,  # models whose metric states fold, the last sum

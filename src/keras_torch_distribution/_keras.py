@@ -3,13 +3,13 @@
 The bottom layer: it imports nothing from the package. Every other module
 reaches Keras internals only through the names below: the version check,
 read-only accessors (private attributes of Keras objects included), the
-Keras classes and modules that own patch targets (`_install.py` patches
+Keras classes and modules that own patch targets (`_patches.py` lists
 them) and the DataAdapter base.
 
 Keras 3.15.x and 3.16 (keras-nightly) are served by one code base: what
 differs between them is found by what exists (never by a version string),
 in the imports just below and in the section "What differs between the
-Keras versions"; `_install.py` adds the patches only one of them needs.
+Keras versions"; `_patches.py` adds the patches only one of them needs.
 """
 
 import contextlib
@@ -54,6 +54,7 @@ from keras.src.layers import layer as keras_layer
 from keras.src.layers.normalization import batch_normalization
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer
+from keras.src.optimizers import loss_scale_optimizer
 from keras.src.random import seed_generator
 from keras.src.saving import saving_lib
 from keras.src.trainers import data_adapters
@@ -264,6 +265,24 @@ def set_stored_shape(variable, shape):
     variable._shape = variable._validate_shape(tuple(shape))
 
 
+def h5_store_dataset(store, key):
+    """The h5py Dataset a Keras H5 weight store's `store[key]` reads (of
+    the entry `store.get(path)` opened), checked as Keras checks it
+    (`safe_get_h5_dataset`: no shape or decompression bomb)."""
+    return saving_lib.safe_get_h5_dataset(store._h5_entry_group, key)
+
+
+def h5_store_reading(store):
+    """True for a Keras H5 weight store opened for reading."""
+    return getattr(store, "mode", None) == "r"
+
+
+def h5_store_on_disk(store):
+    """True when a Keras H5 weight store reads files on disk (not inside a
+    `.keras` archive or from memory): a file it closes can be opened again."""
+    return getattr(store, "archive", None) is None
+
+
 def backup_position(callback):
     """(epoch, batch) a BackupAndRestore callback is at, for its checkpoint."""
     return callback._current_epoch, callback._last_batch_seen
@@ -272,19 +291,6 @@ def backup_position(callback):
 def optimizer_variables(optimizer):
     """The trainable variables an optimizer was built with."""
     return optimizer._trainable_variables
-
-
-def apply_count(optimizer):
-    """How many times `apply` ran (micro-steps, under gradient accumulation)."""
-    return int(optimizer._iterations)
-
-
-def gradient_accumulators(optimizer, variables):
-    """The gradient accumulator variable of each of `variables`."""
-    return [
-        optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
-        for v in variables
-    ]
 
 
 def adam_slots(optimizer, variables):
@@ -475,6 +481,24 @@ def in_outer_call():
     return global_state.get_global_attribute("current_call_ctx") is None
 
 
+def current_call_context():
+    """The Keras `CallContext` of the layer call in progress (None outside
+    any): its entry layer and the `training` value it passes down."""
+    return global_state.get_global_attribute("current_call_ctx")
+
+
+@contextlib.contextmanager
+def call_context(context):
+    """Within the block, `context` is Keras' current layer-call context
+    (the one in progress before is put back after)."""
+    saved = global_state.get_global_attribute("current_call_ctx")
+    global_state.set_global_attribute("current_call_ctx", context)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("current_call_ctx", saved)
+
+
 RECORDABLE_INITIALIZER_CALLS = tuple(
     cls.__call__
     for cls in (
@@ -513,7 +537,7 @@ def initializer_kind(initializer):
 
 
 # ---------------------------------------------------------------------------
-# The owners of the attributes `_install.py` replaces.
+# The owners of the attributes the patch table (`_patches.py`) replaces.
 # ---------------------------------------------------------------------------
 
 keras_backend_module = keras_backend
@@ -528,6 +552,7 @@ BatchNormalization = batch_normalization.BatchNormalization
 Layer = keras_layer.Layer
 Model = keras_model.Model
 BaseOptimizer = base_optimizer.BaseOptimizer
+LossScaleOptimizer = loss_scale_optimizer.LossScaleOptimizer
 TorchAdam = torch_adam.Adam
 TorchSGD = torch_sgd.SGD
 epoch_iterator_data_adapters = epoch_iterator.data_adapters
@@ -594,6 +619,15 @@ CONVERT_TO_TENSOR_OWNERS = tuple(
     if module.__dict__.get("convert_to_tensor") is torch_core.convert_to_tensor
 )
 
+# `is_memory_sufficient` and `_load_model_from_fileobj`, which `saving_lib`
+# looks up as globals of its own module (when it opens a `.keras` archive's
+# weights; when `load_model` loads an archive).
+keras_saving_lib_module = saving_lib
+
+# Keras' HDF5 weight store (`.weights.h5`, `.keras`; `ShardedH5IOStore`
+# reads through its `__getitem__`).
+H5IOStore = saving_lib.H5IOStore
+
 # Keras' weight file stores (`NpzIOStore` is gone in 3.16).
 KERAS_FILE_STORES = tuple(
     getattr(saving_lib, name)
@@ -606,7 +640,7 @@ KERAS_FILE_STORES = tuple(
 # iterator's numpy path and `train/test/predict_on_batch`), wraps the
 # model in DistributedDataParallel whenever a process group exists (but
 # under ModelParallel), and all-reduces metric states. The package does
-# all three itself (`_install.py` turns the native ones off).
+# all three itself (`_patches.py` turns the native ones off).
 NATIVE_TORCH_TRAINING = hasattr(torch_trainer, "distribute_data_input")
 
 # Keras 3.16's torch train_step takes gradients with torch.autograd.grad
@@ -616,5 +650,5 @@ NATIVE_TORCH_TRAINING = hasattr(torch_trainer, "distribute_data_input")
 # Keras 3.16's torch Variable distributes itself when created under a
 # distribution (`_initialize_distributed`, called from `_initialize` and
 # `_initialize_with_initializer`); the package's born-sharded variables
-# replace it (`_install.py`).
+# replace it (`_patches.py`).
 NATIVE_VARIABLE_DISTRIBUTION = hasattr(TorchVariable, "_initialize_distributed")

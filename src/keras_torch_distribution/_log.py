@@ -14,6 +14,7 @@ KTD_LOG_ALL_RANKS=1 hears every rank; KTD_LOG_LEVEL (default WARNING) sets
 the package logger's level.
 """
 
+import atexit
 import builtins
 import logging
 import os
@@ -162,6 +163,101 @@ def warn_once(key, message, *args):
 
 
 _warned = set()
+
+
+# A level just above WARNING, so that notes show at the default level
+# (WARNING) and KTD_LOG_LEVEL=ERROR hides them: events a user wants to see
+# (a checkpoint saved or restored), which are no warnings.
+NOTE = logging.WARNING + 1
+logging.addLevelName(NOTE, "NOTE")
+
+
+def note(message, *args):
+    """An event shown at the default level (rank 0): a checkpoint saved or
+    restored, with its path, size and seconds."""
+    logger.log(NOTE, message, *args)
+
+
+def human_bytes(n):
+    """Bytes with a binary unit: 512 B, 1.50 KiB, 577.3 MiB, 2.00 GiB."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def ranks_text(ranks):
+    """Ranks as ranges: [0, 1, 2, 5] -> "ranks 0-2,5"; [3] -> "rank 3"."""
+    ranks = sorted(ranks)
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+def grouped(values_by_rank):
+    """{rank: value} as [(ranks, value)] of the ranks with equal values,
+    in order of their first rank."""
+    groups = {}
+    for rank in sorted(values_by_rank):
+        groups.setdefault(repr(values_by_rank[rank]), []).append(rank)
+    return [(ranks, values_by_rank[ranks[0]]) for ranks in groups.values()]
+
+
+# Findings said once for many variables: key -> [message, args, subjects],
+# said at `say_grouped()` (a step's update, evaluate / predict, `ktd plan`'s
+# end, the interpreter's exit).
+_grouped = {}
+_said_at_exit = []  # say_grouped, once registered with atexit
+_GROUPED_SHOWN = 3  # subjects named in the line; the rest are counted
+
+
+def warn_grouped(key, subject, message, *args):
+    """A warning about `subject` (a variable's path) that many variables
+    share: one line for every subject of `key` (`say_grouped`), naming a
+    few and counting the rest, optimizer slots apart. Once per (key,
+    subject) for the life of the process."""
+    if (key, subject) in _warned:
+        return
+    _warned.add((key, subject))
+    if not _said_at_exit:
+        _said_at_exit.append(atexit.register(say_grouped))
+    _grouped.setdefault(key, [message, args, []])[2].append(subject)
+
+
+def say_grouped():
+    """Say the pending grouped warnings, one line per key."""
+    while _grouped:
+        message, args, subjects = _grouped.pop(next(iter(_grouped)))
+        logger.warning("%s: " + message, subjects_text(subjects), *args)
+
+
+def subjects_text(paths):
+    """ "variable 'a/kernel'", or "14 variables ('b0/kernel', 'b1/kernel',
+    'b2/kernel', ... 11 more) and their 28 optimizer slots". A slot is a
+    path whose last part is another path's, "/" made "_", then "_<slot>"
+    (Keras' names for optimizer variables)."""
+    flat = {p.replace("/", "_") + "_" for p in paths}
+    slots = [
+        p for p in paths if any(p.split("/")[-1].startswith(f) for f in flat)
+    ]
+    variables = [p for p in paths if p not in slots] or slots
+    if len(paths) == 1:
+        return f"variable {paths[0]!r}"
+    named = ", ".join(repr(p) for p in variables[:_GROUPED_SHOWN])
+    if len(variables) > _GROUPED_SHOWN:
+        named += f", ... {len(variables) - _GROUPED_SHOWN} more"
+    plural = "s" if len(variables) > 1 else ""
+    text = f"{len(variables)} variable{plural} ({named})"
+    if variables is not slots and slots:
+        text += f" and their {len(slots)} optimizer slots"
+    return text
 
 
 # ---------------------------------------------------------------------------

@@ -19,7 +19,10 @@ import torch.distributed as dist
 from keras_torch_distribution import _keras
 from keras_torch_distribution._distributed import layouts
 from keras_torch_distribution._distributed import tensors
+from keras_torch_distribution._log import grouped
+from keras_torch_distribution._log import human_bytes
 from keras_torch_distribution._log import logger
+from keras_torch_distribution._log import ranks_text
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._variables import left_whole
 from keras_torch_distribution.checkpoint.inspect import checkpoint_table  # noqa: F401
@@ -100,38 +103,53 @@ def report(
 
 
 def format_report(tables: list[list[dict[str, Any]]]) -> str:
-    """The text `report` prints for every rank's rows."""
+    """The text `report` prints for every rank's rows: one column per
+    group of ranks whose local shapes are all equal ("ranks 0-3"), names
+    and layouts never cut, bytes per group of ranks, readable."""
     ranks = len(tables)
-    header = f"{'variable':40} {'global shape':>16} {'layout':>18} " + " ".join(
-        f"{'rank ' + str(r) + ' shape':>16}" for r in range(ranks)
+    columns = grouped(
+        {r: [row["local_shape"] for row in tables[r]] for r in range(ranks)}
     )
-    lines = [header, "-" * len(header)]
+    header = ["variable", "global shape", "layout"] + [
+        f"{ranks_text(group)} shape" for group, _ in columns
+    ]
+    table = [header]
     for index, row in enumerate(tables[0]):
-        shapes = " ".join(
-            f"{str(tables[r][index]['local_shape']):>16}" for r in range(ranks)
-        )
-        mark = "  WHOLE" if row.get("left_whole") else ""
+        cells = [row["path"], str(row["shape"]), str(row["layout"])]
+        cells += [str(shapes[index]) for _, shapes in columns]
+        if row.get("left_whole"):
+            cells[-1] += "  WHOLE"
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = []
+    for i, cells in enumerate(table):
         lines.append(
-            f"{row['path'][:40]:40} {str(row['shape']):>16} "
-            f"{str(row['layout'])[:18]:>18} {shapes}{mark}"
+            "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
         )
+        if i == 0:
+            lines.append("-" * len(lines[0]))
     for kind in ("param", "optimizer"):
-        totals = [
-            sum(r["bytes"] for r in tables[rank] if r["kind"] == kind)
+        totals = {
+            rank: sum(r["bytes"] for r in tables[rank] if r["kind"] == kind)
             for rank in range(ranks)
-        ]
-        if any(totals):
+        }
+        if any(totals.values()):
             lines.append(
-                f"{kind + ' bytes per rank':40} "
-                + " ".join(f"rank {r}: {t:,}" for r, t in enumerate(totals))
+                f"{kind} bytes: "
+                + "; ".join(
+                    f"{ranks_text(group)}: {human_bytes(n)}"
+                    + (" each" if len(group) > 1 else "")
+                    for group, n in grouped(totals)
+                )
             )
     for row in tables[0]:
         whole = row.get("left_whole")
         if whole:
             lines.append(
                 f"WHOLE: {row['path']} is whole on every rank "
-                f"({row['bytes']:,} bytes, {100 * whole['share']:.1f}% of the "
-                "model's variables) while the layout map shards others; "
-                f"layout_map[{whole['key']!r}] = {whole['axes']} would shard it"
+                f"({human_bytes(row['bytes'])}, {100 * whole['share']:.1f}% "
+                "of the model's variables) while the layout map shards "
+                f"others; layout_map[{whole['key']!r}] = {whole['axes']} "
+                "would shard it"
             )
     return "\n".join(lines)

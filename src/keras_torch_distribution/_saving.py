@@ -10,6 +10,11 @@ The same holds for every file Keras' weight stores write (`H5IOStore`,
 writing at a path writes into a scratch directory instead, and closing a
 store waits until every rank has closed its own, so rank 0's file is
 complete when any rank goes on (to read it back, say).
+Loading reads shard by shard: while sharded variables exist, a reading
+store hands out its datasets unread (`stored_item`), so that a sharded
+variable reads only its block (see `_distributed.stored_values`), and a
+`.keras` archive's weights are read from an extracted file, not from a
+whole copy in memory (`whole_file_in_memory`).
 File-writing callbacks (CSVLogger, TensorBoard) write, and `model.summary()`
 prints, from rank 0 only. ModelCheckpoint runs on every rank (its saves are
 collective), and so does the folder Keras makes for its files when it finds
@@ -22,11 +27,17 @@ import inspect
 import os
 import shutil
 import tempfile
+import weakref
 
+import h5py
 import keras
 import torch.distributed as dist
 
+from keras_torch_distribution import _keras
+from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._processes import runtime
+from keras_torch_distribution._variables import born_sharded
+from keras_torch_distribution._variables import left_whole
 
 
 def _collective_write(original, model, filepath, *args, **kwargs):
@@ -53,6 +64,18 @@ def save(original, model, filepath, *args, **kwargs):
 def save_weights(original, model, filepath, *args, **kwargs):
     """Keras `Model.save_weights`. Collective: call on every rank."""
     return _collective_write(original, model, filepath, *args, **kwargs)
+
+
+def load_weights(original, model, *args, **kwargs):
+    """Keras `Model.load_weights` (keras_hub's `from_preset` loads through
+    it): once loaded, the warning about large variables the layout map
+    leaves whole (`_variables.left_whole`), as `fit` gives it: a model
+    loaded from a preset and only called or generated from is told too."""
+    result = original(model, *args, **kwargs)
+    left_whole.warn_if_left_whole(
+        model.variables, _keras.current_distribution()
+    )
+    return result
 
 
 def store_init(original, store, *args, **kwargs):
@@ -87,9 +110,84 @@ def store_init(original, store, *args, **kwargs):
         raise
 
 
+def stored_item(original, store, key):
+    """Keras `H5IOStore.__getitem__` (the sharded store's too): while
+    sharded variables exist, a dataset of a file opened for reading comes
+    back unread, as a `stored_values.StoredValue`: assigned to a sharded
+    variable it reads only this rank's block; used any other way it is
+    read whole, as Keras reads it. Scalars are read as Keras reads them."""
+    if not (
+        _keras.h5_store_reading(store) and born_sharded.has_sharded_variables()
+    ):
+        return original(store, key)
+    dataset = _keras.h5_store_dataset(store, key)
+    if not isinstance(dataset, h5py.Dataset) or not dataset.shape:
+        return original(store, key)
+    filename = dataset.file.filename
+    reopen = (
+        filename
+        if _keras.h5_store_on_disk(store) and os.path.isfile(filename)
+        else None
+    )
+    value = stored_values.StoredValue(
+        dataset,
+        bfloat16=dataset.attrs.get("dtype", None) == "bfloat16",
+        reopen=reopen,
+    )
+    handed_out = store.__dict__.setdefault("_ktd_handed_out", weakref.WeakSet())
+    handed_out.add(value)
+    return value
+
+
+class ArchiveLoads:
+    """How many `.keras` archives this process is loading now (Keras'
+    `_load_model_from_fileobj` in progress)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.depth = 0
+
+
+archive_loads = ArchiveLoads()
+
+
+def load_archive(original, *args, **kwargs):
+    """Keras `saving_lib._load_model_from_fileobj`, which loads a `.keras`
+    archive: while it runs, `whole_file_in_memory` may answer "no"."""
+    archive_loads.depth += 1
+    try:
+        return original(*args, **kwargs)
+    finally:
+        archive_loads.depth -= 1
+
+
+def whole_file_in_memory(original, model):
+    """Keras `saving_lib.is_memory_sufficient`, which decides whether a
+    `.keras` archive's `model.weights.h5` is read into memory whole (a
+    `BytesIO` of the file on every rank) or extracted to a temporary file
+    beside the archive and read from there: False while a multi-process
+    run with sharded variables loads an archive (`load_archive`), so that
+    no rank holds the whole file in memory and each reads only its blocks
+    from the extracted file (`stored_item`). Keras' answer otherwise (saving
+    included)."""
+    if (
+        archive_loads.depth
+        and runtime.is_multi_process()
+        and born_sharded.has_sharded_variables()
+    ):
+        return False
+    return original(model)
+
+
 def store_close(original, store):
     """Keras weight store `close`: once rank 0's file is complete, every
-    rank goes on. Collective for stores opened for writing at a path."""
+    rank goes on. Collective for stores opened for writing at a path.
+    Values a reading store handed out unread that are still in use and
+    cannot be read after the file closes are read first (`stored_item`)."""
+    for value in list(store.__dict__.get("_ktd_handed_out", ())):
+        value.keep()
     collective, scratch = getattr(store, "_ktd_collective_write", (False, None))
     try:
         return original(store)

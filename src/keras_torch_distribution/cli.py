@@ -57,8 +57,8 @@ def setting_rows():
     """(name, shown value, error or None) for every KTD_* setting that
     docs/launching.md lists: its value, or "(default: ...)" when unset."""
     from keras_torch_distribution import _env
+    from keras_torch_distribution._processes import environments
     from keras_torch_distribution._processes import record
-    from keras_torch_distribution._processes import schedulers
 
     errors = dict(_env.setting_errors())
     try:
@@ -66,7 +66,7 @@ def setting_rows():
     except ValueError as error:
         errors["KTD_SPAWN"] = str(error)
     cluster = os.environ.get("KTD_CLUSTER", "").strip().lower()
-    names = [name for name, _ in schedulers.ROWS]
+    names = [name for name, _ in environments.ROWS]
     if cluster and cluster != "none" and cluster not in names:
         errors["KTD_CLUSTER"] = (
             f"KTD_CLUSTER={os.environ['KTD_CLUSTER']!r} names no environment: "

@@ -38,16 +38,20 @@ def test_checkpoint_example_resumes_and_report_shows_shards(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed: epochs [2, 3]" in second.stdout
     newest = sorted(os.listdir(directory))[-1]
-    report = _ktd("report", os.path.join(directory, newest))
+    # the folder ShardedCheckpoint wrote in: its newest checkpoint
+    report = _ktd("report", directory)
     assert report.returncode == 0, report.stderr
-    kernel = [
-        line
-        for line in report.stdout.splitlines()
-        if line.startswith("model/hidden/kernel")
-    ]
-    assert kernel and "0: (0, 0)+(16, 32); 1: (0, 32)+(16, 32)" in kernel[0]
+    lines = report.stdout.splitlines()
+    assert lines[0].startswith(
+        f"checkpoint {os.path.join(directory, newest)} (the newest of "
+    )
+    assert lines[1].startswith("epoch 4, step ")
+    kernel = [line for line in lines if line.startswith("model/hidden/kernel")]
+    assert kernel and kernel[0].endswith(
+        "ranks 0-1: (16, 32) each, split on dim 1"
+    )
     assert re.search(
-        r"bytes written per rank: rank 0: [\d,]+, rank 1: [\d,]+", report.stdout
+        r"bytes written: rank 0: [\d.]+ KiB; rank 1: [\d.]+ KiB", report.stdout
     )
     missing = _ktd("report", str(tmp_path / "nothing"))
     assert missing.returncode == 2

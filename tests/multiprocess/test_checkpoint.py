@@ -116,27 +116,27 @@ def saves_in_one_folder(folder):
     """Two saves and an async save into `folder`, then `tidy`: (its storage
     groups, how often it was probed, what is left in it)."""
     from keras_torch_distribution import checkpoint
-    from keras_torch_distribution.checkpoint import _files
+    from keras_torch_distribution.checkpoint import _storage
     from keras_torch_distribution.checkpoint import callbacks
 
     distribute(SAVE_RULES)
     model = checkpoint_model()
     probed = []
-    real = _files._probe_storage
+    real = _storage._probe_storage
 
     def counted(*args):
         probed.append(args[0])
         return real(*args)
 
-    _files._probe_storage = counted
+    _storage._probe_storage = counted
     try:
         checkpoint.save(model, os.path.join(folder, "a"))
         checkpoint.save(model, os.path.join(folder, "b"))
         checkpoint.async_save(model, os.path.join(folder, "c")).result()
         callbacks.tidy(folder)
-        groups = _files.storage_groups(folder)
+        groups = _storage.storage_groups(folder)
     finally:
-        _files._probe_storage = real
+        _storage._probe_storage = real
     return groups, probed, sorted(os.listdir(folder))
 
 
@@ -378,12 +378,12 @@ def async_saves_with_pinned_staging(first, second):
     import torch
 
     from keras_torch_distribution import checkpoint
-    from keras_torch_distribution.checkpoint import _dcp
+    from keras_torch_distribution.checkpoint import _staging
 
     pinned = []
     saved_pin, saved_available = (
         torch.Tensor.pin_memory,
-        _dcp.pinned_staging_available,
+        _staging.pinned_staging_available,
     )
 
     def pin(tensor, *args, **kwargs):
@@ -391,7 +391,7 @@ def async_saves_with_pinned_staging(first, second):
         return tensor
 
     torch.Tensor.pin_memory = pin
-    _dcp.pinned_staging_available = lambda: _dcp._CACHED_STAGING
+    _staging.pinned_staging_available = lambda: _staging._CACHED_STAGING
     try:
         distribute(SAVE_RULES)
         model = checkpoint_model()
@@ -399,7 +399,7 @@ def async_saves_with_pinned_staging(first, second):
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
         before = checkpoint_values(model)
         pending = checkpoint.async_save(model, first)
-        cache = _dcp.staging_memory.stager.state_dict_cache
+        cache = _staging.staging_memory.stager.state_dict_cache
         pointers = {
             k: v.to_local().data_ptr()
             if hasattr(v, "to_local")
@@ -412,7 +412,7 @@ def async_saves_with_pinned_staging(first, second):
         after = checkpoint_values(model)
         second_pending = checkpoint.async_save(model, second)
         first_complete = checkpoint.is_checkpoint(first) and pending.done()
-        cache = _dcp.staging_memory.stager.state_dict_cache
+        cache = _staging.staging_memory.stager.state_dict_cache
         reused = pointers == {
             k: v.to_local().data_ptr()
             if hasattr(v, "to_local")
@@ -440,8 +440,8 @@ def async_saves_with_pinned_staging(first, second):
         }
     finally:
         torch.Tensor.pin_memory = saved_pin
-        _dcp.pinned_staging_available = saved_available
-        _dcp.staging_memory.clear()
+        _staging.pinned_staging_available = saved_available
+        _staging.staging_memory.clear()
 
 
 def test_async_saves_stage_into_reused_pinned_memory(pool2, tmp_path):
@@ -450,9 +450,9 @@ def test_async_saves_stage_into_reused_pinned_memory(pool2, tmp_path):
     new and copies into the same memory, after the first save completed
     (it was still reading that memory); each checkpoint holds its call's
     values."""
-    from keras_torch_distribution.checkpoint import _dcp
+    from keras_torch_distribution.checkpoint import _staging
 
-    if not _dcp._CACHED_STAGING:
+    if not _staging._CACHED_STAGING:
         pytest.skip("this torch has no async_stager / cache_staged_state_dict")
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     for result in pool2.run(async_saves_with_pinned_staging, first, second):

@@ -288,11 +288,11 @@ def save_errors(path, fill_after=None, size_limit_rank=None):
     limit = runtime.process_id() == size_limit_rank
     with contextlib.ExitStack() as undo:
         if fill_after is not None:
-            from keras_torch_distribution.checkpoint import _dcp
+            from keras_torch_distribution.checkpoint import _streams
 
             _FillingFile.room = fill_after
-            undo.callback(setattr, _dcp, "_open", _dcp._open)
-            _dcp._open = lambda p, mode: _FillingFile(open(p, mode))
+            undo.callback(setattr, _streams, "_open", _streams._open)
+            _streams._open = lambda p, mode: _FillingFile(open(p, mode))
         if limit:
             soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
             undo.callback(

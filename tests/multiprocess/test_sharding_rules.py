@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import distribute_tensor
 
+from keras_torch_distribution._distributed import attention_rules
 from keras_torch_distribution._distributed import sharding_rules
 
 B, H, L, D = 4, 2, 8, 4
@@ -34,12 +35,12 @@ def _arguments(op, mask_shape):
     args, kwargs = [], {}
     for argument in op._schema.arguments:
         kind = str(argument.type)
-        role = sharding_rules._ARGUMENT_ROLES.get(argument.name)
-        if role == sharding_rules.MASK:
+        role = attention_rules._ARGUMENT_ROLES.get(argument.name)
+        if role == attention_rules.MASK:
             value = None if mask_shape is None else _spec(mask_shape)
         elif "Tensor" in kind:
             value = _spec(
-                (B, H, L, D) if role == sharding_rules.HEADS else (2,)
+                (B, H, L, D) if role == attention_rules.HEADS else (2,)
             )
         elif "bool[" in kind:
             value = [True] * 4
@@ -56,19 +57,19 @@ def _arguments(op, mask_shape):
     return args, kwargs
 
 
-@pytest.mark.parametrize("op", sharding_rules._attention_ops(), ids=str)
+@pytest.mark.parametrize("op", attention_rules.attention_ops(), ids=str)
 @pytest.mark.parametrize(
     "mask_shape", [None, (B, 1, L, L), (B, H, L, L), (L, L)]
 )
 def test_attention_rules_place_every_tensor_of_the_schema(op, mask_shape):
     takes_mask = any(
-        sharding_rules._ARGUMENT_ROLES.get(a.name) == sharding_rules.MASK
+        attention_rules._ARGUMENT_ROLES.get(a.name) == attention_rules.MASK
         for a in op._schema.arguments
     )
     if mask_shape is not None and not takes_mask:
         pytest.skip(f"{op} takes no mask")
     args, kwargs = _arguments(op, mask_shape)
-    options = sharding_rules._attention_rule(op)(*args, **kwargs)
+    options = attention_rules.attention_rule(op)(*args, **kwargs)
     tensors = [
         name
         for name, value in zip(
@@ -111,7 +112,7 @@ def test_a_kwarg_mask_keeps_its_placement():
     """DTensor does not reshard kwargs: the CPU kernel's attn_mask must be
     used where it is, so only strategies that keep it are offered."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    rule = sharding_rules._attention_rule(op)
+    rule = attention_rules.attention_rule(op)
     q = _spec((B, H, L, D))
     replicated_full = rule(q, q, q, attn_mask=_spec((B, H, L, L)))
     assert [o[1][0] for o in replicated_full] == [Replicate()]
@@ -130,7 +131,7 @@ def test_a_kwarg_mask_keeps_its_placement():
 def test_rules_are_registered_and_cached_by_mask():
     propagator = DTensor._op_dispatcher.sharding_propagator
     registered = []
-    for op in sharding_rules._attention_ops():
+    for op in attention_rules.attention_ops():
         # torch's own single-dim strategy (CUDA attention on torch>=2.14)
         # takes precedence over any rule: ours is registered only elsewhere.
         if op in propagator.op_single_dim_strategy_funcs:

@@ -224,9 +224,9 @@ def test_every_patch_target_exists_on_the_installed_keras():
     """The patch table of the installed Keras (3.15 or 3.16: the patches
     only 3.16 needs are in it only there) names only attributes that
     exist, and each of the version-dependent ones where its feature is."""
-    from keras_torch_distribution import _install
+    from keras_torch_distribution import _patches
 
-    table = _install._patch_table()
+    table = _patches._patch_table()
     missing = [p.describe() for p in table if not hasattr(p.owner, p.name)]
     assert missing == []
     targets = {p.describe() for p in table}

@@ -93,14 +93,14 @@ def test_missing_file_is_named_and_unwritable_folder_is_a_write_error(tmp_path):
 
 def test_a_failed_save_leaves_no_incomplete_folder(tmp_path, monkeypatch):
     from keras_torch_distribution import checkpoint
-    from keras_torch_distribution.checkpoint import _dcp
+    from keras_torch_distribution.checkpoint import _streams
 
     model = checkpoint_model()
 
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    real_open = _dcp._open
+    real_open = _streams._open
     calls = []
 
     def failing_open(path, mode="r", *args, **kwargs):
@@ -109,7 +109,7 @@ def test_a_failed_save_leaves_no_incomplete_folder(tmp_path, monkeypatch):
             no_space()
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(_dcp, "_open", failing_open)
+    monkeypatch.setattr(_streams, "_open", failing_open)
     with pytest.raises(
         checkpoint.CheckpointWriteError, match="No space left on device"
     ):
@@ -158,14 +158,14 @@ def test_one_hosts_copy_of_a_split_checkpoint_names_what_it_lacks(tmp_path):
 
 
 def test_storage_groups_from_the_probes_each_rank_saw():
-    from keras_torch_distribution.checkpoint import _files
+    from keras_torch_distribution.checkpoint import _storage
 
     # Ranks 0-1 on one disk, 2-3 on another: 0 and 2 (their hosts' first
     # ranks) read each other's probes, the others their first rank's.
-    assert _files._groups_from([[0], [0], [2], [2]]) == [[0, 1], [2, 3]]
-    assert _files._groups_from([[0, 2], [0], [2], [2]]) == [[0, 1, 2, 3]]
+    assert _storage._groups_from([[0], [0], [2], [2]]) == [[0, 1], [2, 3]]
+    assert _storage._groups_from([[0, 2], [0], [2], [2]]) == [[0, 1, 2, 3]]
     # Rank 3 does not see its host's first rank (a container with mounts
     # of its own) but sees rank 4, on the same mounts.
     seen = [[0], [0], [2], [3, 4], [3, 4]]
-    assert _files._groups_from(seen) == [[0, 1], [2], [3, 4]]
-    assert _files._groups_from([[], [], [2]]) == [[0], [1], [2]]
+    assert _storage._groups_from(seen) == [[0, 1], [2], [3, 4]]
+    assert _storage._groups_from([[], [], [2]]) == [[0], [1], [2]]

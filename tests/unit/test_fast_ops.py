@@ -1,4 +1,4 @@
-"""The fast ops (`_backend/core.py`, `numpy.py`, `nn.py`, SGD in
+"""The fast ops (`_backend/core.py`, `numpy.py` (einsum, power), `nn.py`, SGD in
 `_training/optimizer_update.py`, `_training/batch_logs.py`): each gives
 Keras' own numbers, without the host reads Keras' own makes, and
 KTD_FAST_OPS=0 leaves Keras' own in place.
@@ -195,6 +195,54 @@ def test_einsum_dense_runs_as_one_matmul_with_keras_numbers():
     )
     got = keras.ops.convert_to_numpy(got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# power
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exponent", [2, 2.0])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_a_square_equals_keras(exponent, dtype):
+    original = keras_own(_keras.torch_numpy_module, "power")
+    rng = np.random.default_rng(0)
+    x = torch.tensor(
+        rng.normal(size=(3, 5)), dtype=getattr(torch, dtype), requires_grad=True
+    )
+
+    def run(power):
+        y = power(x, exponent)
+        (grad,) = torch.autograd.grad(y.sum(), [x])
+        return y, grad
+
+    want, grad_want = run(original)
+    with testing.count_ops() as counts:
+        got, grad_got = run(lambda x, e: backend_numpy.power(original, x, e))
+    assert got.dtype == want.dtype and grad_got.dtype == grad_want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(grad_got, grad_want, rtol=0, atol=0)
+    # No tensor made of the exponent, no test of it for 0 in backward.
+    assert not {"full", "lift_fresh", "eq", "where"} & set(counts.ops), counts
+
+
+def test_power_of_other_operands_is_keras_own():
+    original = keras_own(_keras.torch_numpy_module, "power")
+    for x1, x2 in [
+        # Other exponents: torch's pow by a number takes other roads
+        # (sqrt, reciprocal, x * x * x), a rounding apart from Keras'.
+        (torch.rand(3) + 0.5, 0.5),
+        (torch.rand(3) + 0.5, -1),
+        (torch.rand(3) + 0.5, 3),
+        (torch.arange(4), 2),  # an integer tensor: Keras' dtype rules
+        (torch.rand(3), torch.rand(3)),
+        (torch.rand(3), True),
+        (2, torch.rand(3)),
+    ]:
+        got = backend_numpy.power(original, x1, x2)
+        want = original(x1, x2)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
 
 
 # ---------------------------------------------------------------------------

@@ -163,3 +163,89 @@ def test_a_fake_step_that_needs_a_value_says_so(tmp_path):
     assert "--step real" in reason
     assert plan["per_rank"][0]["fsdp_figure"] == "estimated"
     assert plan["per_rank"][0]["params_bytes"] > 0
+
+
+def _plan_command(argv, tmp_path):
+    """`ktd plan ARGV` through `_command.main` in a subprocess:
+    (status, stdout, stderr)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KTD_DEVICE"):
+        env.pop(key, None)
+    code = (
+        "import sys\nfrom keras_torch_distribution.plan import _command\n"
+        "sys.exit(_command.main(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_json_to_stdout_keeps_the_scripts_prints_off_it(tmp_path):
+    """`--json -`: stdout is the JSON alone (with its format version); the
+    script's own prints, the progress lines and the text plan go to
+    stderr."""
+    script = tmp_path / "chatty.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "print('hello from the script')\n"
+        "os.write(1, b'native write\\n')\n"
+        f"sys.argv = [{PLAN_TRAIN!r}, 'mlp', 'dp']\n"
+        f"runpy.run_path({PLAN_TRAIN!r}, run_name='__main__')\n"
+    )
+    status, out, err = _plan_command(
+        ["--world", "2", "--json", "-", str(script)], tmp_path
+    )
+    assert status == 0, err[-3000:]
+    plan = json.loads(out)
+    assert plan["format_version"] == _command.FORMAT_VERSION == 1
+    assert plan["world"] == 2 and plan["collectives_backend"] == "nccl"
+    assert "hello from the script" in err and "native write" in err
+    assert "collectives per training step" in err  # the text plan
+    progress = [
+        line for line in err.splitlines() if line.startswith("ktd plan [")
+    ]
+    assert len(progress) == 3, progress
+    assert "rank 0 of 2 simulated processes" in progress[0]
+    assert "one training step on fake tensors" in progress[1]
+    assert not list(tmp_path.glob("-"))
+
+
+def test_the_json_path_is_checked_before_planning(tmp_path):
+    """A --json into a missing folder is refused at once, status 2, naming
+    the path: the script never runs."""
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    path = str(tmp_path / "missing" / "plan.json")
+    status, out, err = _plan_command(
+        ["--world", "2", "--json", path, str(script)], tmp_path
+    )
+    assert status == 2 and out == ""
+    assert f"--json {path!r}" in err and "does not exist" in err
+    assert "--json -" in err
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="is a folder"):
+        _command.check_json_path(str(tmp_path))
+
+
+def test_a_mesh_for_another_world_names_world(tmp_path):
+    """A script whose mesh needs 4 devices, planned at --world 2: the error
+    names --world 2 and the fix, with Keras' own words."""
+    script = tmp_path / "mesh4.py"
+    script.write_text(
+        "import keras\nimport keras_torch_distribution  # noqa: F401\n"
+        "keras.distribution.DeviceMesh((2, 2), ['batch', 'model'],\n"
+        "    keras.distribution.list_devices())\n"
+    )
+    with pytest.raises(_runner.PlanError) as error:
+        _runner.plan(2, str(script))
+    message = str(error.value)
+    assert "--world 2" in message and "Shape does not match" in message
+    assert "list_devices()" in message
+    assert not dist.is_initialized()

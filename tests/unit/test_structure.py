@@ -24,6 +24,7 @@ ARCHITECTURE = os.path.join(
 )
 
 LAYERS = [
+    "_op_counts",  # counting dispatched ops: torch only (tests, benchmarks)
     "_keras",  # the seam: the only importer of keras.src
     "_env",  # KTD_* settings
     "_log",
@@ -38,7 +39,9 @@ LAYERS = [
     "_preemption",  # signals: an agreed step, its backup, the exit
     "_training",  # the step
     "_report",
-    "_install",  # the patch table
+    "callbacks",  # public Keras callbacks (Throughput)
+    "_patches",  # the patch table
+    "_install",  # install / uninstall, the exit hook
     "__init__",
     "plan",  # ktd plan: a simulated world of N on one CPU
     "launch",  # ktd run; what each launched process runs
@@ -344,10 +347,10 @@ def _replacement_first_lines():
     every entry of the patch table that wraps a Keras original."""
     import functools
 
-    from keras_torch_distribution import _install
+    from keras_torch_distribution import _patches
 
     found = []
-    for patch in _install._patch_table():
+    for patch in _patches._patch_table():
         if not patch.wrap:
             continue
         replacement = patch.replacement

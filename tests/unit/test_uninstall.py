@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import keras_torch_distribution
 from keras_torch_distribution import _install
+from keras_torch_distribution._distributed import older_torch_rules
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._distributed import sharding_rules
 from keras_torch_distribution._fsdp import gathering
@@ -90,7 +91,7 @@ def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
     for op in _INDEX_PUT_OPS:
         if torch_own[op][2] is None:  # torch has no single-dim strategy
             assert ours[op][0] is not torch_own[op][0], op
-            assert ours[op][0] is sharding_rules._index_put_strategy, op
+            assert ours[op][0] is older_torch_rules.index_put_strategy, op
         else:
             assert ours[op] == torch_own[op], op
     if torch_own[_STACK][0] is not None:
@@ -103,7 +104,7 @@ def test_uninstall_gives_torch_its_own_rules_and_handlers_back(reinstall):
         if rewrites:
             assert ours[op] == torch_own[op], op
         else:
-            assert ours[op][0] is sharding_rules._squeeze_strategy, op
+            assert ours[op][0] is older_torch_rules.squeeze_strategy, op
 
     keras_torch_distribution.uninstall()
     assert _dtensor_tables() == torch_own

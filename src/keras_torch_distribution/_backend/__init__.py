@@ -1,6 +1,6 @@
 """The torch backend as Keras calls it, mirroring `keras/src/backend/torch/`:
 the modules whose functions Keras' own torch backend module or op calls
-reach (through the patch table in `_install`, or installed whole as
+reach (through the patch table in `_patches`, or installed whole as
 Keras' backend `distribution_lib`).
 
 Modules, bottom first (a module imports only those above it):

@@ -1,4 +1,5 @@
-"""Keras' torch `einsum`, as one matrix product where the equation is one.
+"""Keras' torch `einsum`, as one matrix product where the equation is one;
+`power` with a Python number as the exponent.
 
 `EinsumDense` (every attention projection of keras_hub's models:
 "btd,dnh->btnh", "btnh,nhd->btd") calls `einsum`, and `torch.einsum`
@@ -22,6 +23,18 @@ dtype (DTensors, int8), and every einsum while variables are sharded on
 the batch axis (FSDP's own einsum keeps its operands for regathering) go
 to the package's FSDP-aware einsum (`fsdp.einsum_grad`), which hands what
 it does not handle to Keras' own.
+
+
+`power(x, 2)` (keras_hub's RMS norms: 9 in a 4-block Llama step): Keras
+turns the Python exponent into a 0-dim tensor, so torch runs a
+tensor-to-tensor power, whose backward also computes where the exponent
+is 0 (an `eq`, a `where` and a fill per call) and raises `x` to `2 - 1`.
+`torch.pow(x, 2)` takes the number as a number, as `x ** 2` in torch's
+own recipes: the same dtype (a number never widens a floating tensor,
+nor does Keras' 0-dim tensor), the same values (a square is exact in
+both) and backward `2 * x * grad`. Other exponents stay Keras': torch's
+power by a number runs them as `sqrt`, `reciprocal` or `x * x * x`, a
+rounding away from Keras' numbers.
 """
 
 import functools
@@ -140,3 +153,17 @@ def run(plan, a, b):
     )
     product = torch.matmul(left.reshape(*kept_shape, size), matrix)
     return product.reshape(*kept_shape, *columns_shape)
+
+
+def power(original, x1, x2):
+    """Replaces Keras' torch `power`: a floating tensor squared (the Python
+    number 2) as `torch.pow(x1, 2)` (see the module docstring); anything
+    else to Keras' own."""
+    if (
+        type(x2) in (int, float)
+        and x2 == 2
+        and isinstance(x1, torch.Tensor)
+        and x1.is_floating_point()
+    ):
+        return torch.pow(x1, 2)
+    return original(x1, x2)

@@ -3,7 +3,9 @@ process group is `_processes`').
 
 Modules, bottom first (a module imports only those above it):
 
-- `sharding_rules`: DTensor rules torch lacks or gets wrong; `uninstall()`
+- `attention_rules`: DTensor rules of the attention ops.
+- `older_torch_rules`: DTensor rules torch<2.13 lacks or gets wrong.
+- `sharding_rules`: those rules registered with DTensor; `uninstall()`
   gives torch its own back.
 - `masked_lookup`: a vocabulary-sharded lookup's other rows zeroed without
   a host sync (torch's `MaskBuffer.apply_mask`, replaced through the patch
@@ -11,6 +13,8 @@ Modules, bottom first (a module imports only those above it):
 - `layouts`: Keras `DeviceMesh` / `TensorLayout` onto torch meshes and
   placements.
 - `tensors`: plain tensors to and from DTensors of a layout.
+- `stored_values`: values of a weights file read when used (a sharded
+  variable reads only its block).
 - `collectives`: the one bucketed flat collective (gradient averages, metric
   sums, broadcasts).
 - `replicas`: the batch axis: replicas, their process group, the current

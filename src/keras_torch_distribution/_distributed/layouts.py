@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard
 
-from keras_torch_distribution._log import warn_once
+from keras_torch_distribution._log import warn_grouped
 from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
 
@@ -307,7 +307,10 @@ def check_rank(
 
 
 def for_variable(
-    torch_layout: TorchLayout, shape: Sequence[int], what: str
+    torch_layout: TorchLayout,
+    shape: Sequence[int],
+    what: str,
+    path: str | None = None,
 ) -> TorchLayout:
     """The layout of a variable of `shape` under `torch_layout`.
 
@@ -318,7 +321,8 @@ def for_variable(
     instead, with a warning, as Megatron replicates key/value heads when
     there are fewer than tensor-parallel ranks: otherwise some ranks would
     hold nothing of it, and DTensor cannot reshape such a dim (every einsum
-    kernel reshapes).
+    kernel reshapes). The warning is one line for all the variables
+    (`path`: the variable's) that share it, and their optimizer slots.
     """
     check_rank(torch_layout, shape, what)
     mesh = torch_layout.mesh
@@ -337,12 +341,12 @@ def for_variable(
         return torch_layout
     axes = _axes_of(placements, mesh.mesh_dim_names, len(shape))
     if too_small:
-        warn_once(
-            ("replicated-small-dims", what, tuple(torch_layout.axes)),
-            "%s has shape %s: layout %s splits dims %s over more processes "
-            "than they have entries, so they are replicated instead (layout "
-            "%s).",
-            what,
+        key = ("replicated-small-dims", tuple(shape), tuple(torch_layout.axes))
+        warn_grouped(
+            key,
+            path or what,
+            "shape %s: layout %s splits dims %s over more processes than "
+            "they have entries, so they are replicated instead (layout %s).",
             tuple(shape),
             tuple(torch_layout.axes),
             too_small,

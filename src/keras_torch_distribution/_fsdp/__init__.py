@@ -11,7 +11,10 @@ Modules, bottom first (a module imports only those above it):
   regathering in backward.
 - `einsum_grad`: einsum that saves its operands, not copies of them (FSDP
   regathers them).
-- `groups`: FSDP by group: one flat all-gather per group, prefetched.
+- `group_specs`: which variables make a layer's group, in which buckets.
+- `group_calls`: a group's call: one flat all-gather per bucket, values
+  copied out, gradients reduce-scattered flat.
+- `groups`: FSDP by group: the forward's order, prefetch, the scopes.
 
 Nothing is re-exported: importing the package imports none of them.
 

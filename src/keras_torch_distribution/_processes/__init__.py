@@ -10,8 +10,9 @@ Modules, bottom first (a module imports only those above it):
 - `hostlist`: SLURM node lists ("rack[1-2]-node[01-04]") expanded.
 - `record`: the `Launch` record (what `initialize()` does here) and
   readers of launcher variables whose errors name them.
-- `schedulers`: one function per launcher (torchrun, SLURM, MPI, LSF,
+- `schedulers`: one function per launcher (torchrun, SLURM, LSF,
   Kubeflow): its variables -> a Launch.
+- `mpi`: the same for the MPI launchers (Open MPI, PMI, MVAPICH2).
 - `environments`: `detect`, which tries them innermost launcher first, with
   initialize()'s arguments winning; pure functions of the environment.
 - `interfaces`: the network interface gloo listens on where the host

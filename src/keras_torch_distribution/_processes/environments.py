@@ -23,7 +23,7 @@ SLURM see the step of the per-node daemons):
     pet           a node launcher's PET_* variables (Kubeflow Trainer v2)
     local         nothing: one process, or one per local device
 
-Each row is one function of `schedulers`; `record` holds the `Launch`
+Each row is one function of `schedulers` or `mpi`; `record` holds the `Launch`
 record and the readers. A row matches only on its full set of variables. Where a
 row's variables show a job of several processes but some are missing or
 disagree, it raises `IncompleteEnvironmentError` naming what it found, what is
@@ -37,6 +37,7 @@ KTD_SPAWN=N starts N per node where processes are started (CPU included).
 
 import dataclasses
 
+import keras_torch_distribution._processes.mpi as mpi
 import keras_torch_distribution._processes.schedulers as schedulers
 from keras_torch_distribution._processes.record import CLUSTER_VARIABLE
 from keras_torch_distribution._processes.record import DEFAULT_PORT  # noqa: F401
@@ -279,13 +280,26 @@ def host_and_port(address):
     return host, port
 
 
+# The rows, in the order they are tried.
+ROWS = (
+    ("torchelastic", schedulers.torchelastic),
+    ("generic", schedulers.generic),
+    ("openmpi", mpi.open_mpi),
+    ("pmi", mpi.pmi),
+    ("mvapich", mpi.mvapich),
+    ("lsf", schedulers.lsf),
+    ("slurm", schedulers.slurm),
+    ("pet", schedulers.pet),
+)
+
+
 def _detected(env, local_devices, outside):
     """The first row that matches (each returns None when its variables are
     absent), or the one KTD_CLUSTER names; None: no launcher."""
     forced = env.get(CLUSTER_VARIABLE, "").strip().lower()
     if forced == "none":
         return None
-    rows = {name: row for name, row in schedulers.ROWS}
+    rows = {name: row for name, row in ROWS}
     if forced:
         if forced not in rows:
             raise ValueError(
@@ -294,7 +308,7 @@ def _detected(env, local_devices, outside):
                 "detection), or unset it (detect)."
             )
         return rows[forced](env, local_devices, outside, forced=True)
-    for _, row in schedulers.ROWS:
+    for _, row in ROWS:
         found = row(env, local_devices, outside, forced=False)
         if found is not None:
             return found

@@ -1,5 +1,7 @@
 """One function per launcher: its variables -> a `Launch`, or None when
-they are absent (see `environments` for the order they are tried in).
+they are absent (see `environments` for the order they are tried in):
+torchrun, a generic RANK / WORLD_SIZE, LSF, SLURM, Kubeflow's node
+launcher here; the MPIs in `mpi`.
 
 Each reads only the mapping it is given (and `Outside` for a file or MPI),
 matches only on its full set of variables, and raises
@@ -7,11 +9,12 @@ matches only on its full set of variables, and raises
 but some are missing or disagree.
 """
 
-import re
+from __future__ import annotations
+
 import zlib
+from collections.abc import Mapping
 
 import keras_torch_distribution._processes.hostlist as hostlist
-from keras_torch_distribution._processes.record import DEFAULT_PORT
 from keras_torch_distribution._processes.record import SINGLE
 from keras_torch_distribution._processes.record import SPAWN
 from keras_torch_distribution._processes.record import SPAWN_VARIABLE
@@ -19,6 +22,7 @@ from keras_torch_distribution._processes.record import (
     IncompleteEnvironmentError,
 )
 from keras_torch_distribution._processes.record import Launch
+from keras_torch_distribution._processes.record import Outside
 from keras_torch_distribution._processes.record import join
 from keras_torch_distribution._processes.record import node_processes
 from keras_torch_distribution._processes.record import present
@@ -31,10 +35,12 @@ from keras_torch_distribution._processes.record import shown
 from keras_torch_distribution._processes.record import spawn_setting
 
 # Ports derived from scheduler ids land in [61440, 65535], as JAX's do.
-_DERIVED_PORT_BASE, _DERIVED_PORT_SPAN = 61440, 4096
+DERIVED_PORT_BASE, DERIVED_PORT_SPAN = 61440, 4096
 
 
-def _torchelastic(env, local_devices, outside, forced):
+def torchelastic(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     if not forced and "TORCHELASTIC_RUN_ID" not in env:
         return None
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -59,7 +65,9 @@ def _torchelastic(env, local_devices, outside, forced):
     )
 
 
-def _generic(env, local_devices, outside, forced):
+def generic(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     """MASTER_ADDR, MASTER_PORT, WORLD_SIZE and a rank: RANK, or
     NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, or JOB_COMPLETION_INDEX."""
     if not forced and "WORLD_SIZE" not in env:
@@ -147,134 +155,9 @@ def _generic(env, local_devices, outside, forced):
     )
 
 
-# Open MPI <= 4 publishes its launcher's URI; JAX reads the host and job id
-# from it (jax/_src/clusters/ompi_cluster.py).
-_ORTE_URI = re.compile(
-    r"^(\d+)\.\d+;tcp6?://\[?([0-9a-zA-Z:.\-]+?)\]?(?:,|:\d+)"
-)
-
-
-def _open_mpi(env, local_devices, outside, forced):
-    keys = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
-    if not forced and not any(k in env for k in keys):
-        return None
-    require(
-        env, "Open MPI", keys, fix="Start it with mpirun (Open MPI sets both)."
-    )
-    world = read_whole(env, "OMPI_COMM_WORLD_SIZE")
-    rank = read_whole(env, "OMPI_COMM_WORLD_RANK", minimum=0)
-    local = read_local_rank(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-    address = port = None
-    match = _ORTE_URI.match(env.get("OMPI_MCA_orte_hnp_uri", ""))
-    if match:
-        address = match.group(2)
-        port = (
-            int(match.group(1)) // _DERIVED_PORT_SPAN
-        ) % _DERIVED_PORT_SPAN + _DERIVED_PORT_BASE
-    names = keys + ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_MCA_orte_hnp_uri")
-    return _mpi_join(
-        "openmpi",
-        "Open MPI",
-        env,
-        outside,
-        world,
-        rank,
-        local,
-        address,
-        port,
-        names,
-    )
-
-
-def _pmi(env, local_devices, outside, forced):
-    keys = ("PMI_SIZE", "PMI_RANK")
-    if not forced and not any(k in env for k in keys):
-        return None
-    require(
-        env,
-        "MPICH / Intel MPI (PMI)",
-        keys,
-        fix="Start it with mpiexec / mpirun (Hydra sets both).",
-    )
-    world, rank = (
-        read_whole(env, "PMI_SIZE"),
-        read_whole(env, "PMI_RANK", minimum=0),
-    )
-    address = port = None
-    slurm = _slurm_step_address(env)
-    if slurm is not None and env.get("SLURM_PROCID") == env["PMI_RANK"]:
-        address, port = slurm  # srun --mpi=pmi2: SLURM's ranks are these ranks
-    names = keys + ("MPI_LOCALRANKID",)
-    return _mpi_join(
-        "pmi",
-        "MPICH / Intel MPI",
-        env,
-        outside,
-        world,
-        rank,
-        read_local_rank(env, "MPI_LOCALRANKID"),
-        address,
-        port,
-        names,
-    )
-
-
-def _mvapich(env, local_devices, outside, forced):
-    keys = ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK")
-    if not forced and not any(k in env for k in keys):
-        return None
-    require(env, "MVAPICH2", keys, fix="Start it with mpirun_rsh / mpiexec.")
-    world, rank = (
-        read_whole(env, "MV2_COMM_WORLD_SIZE"),
-        read_whole(env, "MV2_COMM_WORLD_RANK", minimum=0),
-    )
-    names = keys + ("MV2_COMM_WORLD_LOCAL_RANK",)
-    return _mpi_join(
-        "mvapich",
-        "MVAPICH2",
-        env,
-        outside,
-        world,
-        rank,
-        read_local_rank(env, "MV2_COMM_WORLD_LOCAL_RANK"),
-        None,
-        None,
-        names,
-    )
-
-
-def _mpi_join(
-    name, what, env, outside, world, rank, local, address, port, names
-):
-    """An MPI row's Launch. MASTER_ADDR / MASTER_PORT win; else the address
-    the MPI tells; else rank 0's, broadcast over MPI by mpi4py where it is
-    installed; else an error asking for MASTER_ADDR."""
-    names = names + ("MASTER_ADDR", "MASTER_PORT")
-    address = env.get("MASTER_ADDR") or address
-    if world > 1 and address is None:
-        told = outside.mpi_address()
-        if told is not None:
-            address, port = told[0], port or told[1]
-    if world > 1 and address is None:
-        raise IncompleteEnvironmentError(
-            f"{what} started this process as rank {rank} of {world} "
-            f"({shown(present(env, names))}), but nothing says where process 0 "
-            "is: MASTER_ADDR is missing (and mpi4py, which could ask rank 0, "
-            "is not installed). Set MASTER_ADDR to process 0's host (reachable "
-            "from every process) and MASTER_PORT to a free port there, for "
-            "every process, e.g. `mpirun -x MASTER_ADDR=$(hostname) -x "
-            "MASTER_PORT=29500 ...`; or install mpi4py; or launch with "
-            "torchrun / `ktd run` instead."
-        )
-    port = (
-        read_port(env, "MASTER_PORT")
-        if env.get("MASTER_PORT")
-        else (port or DEFAULT_PORT)
-    )
-    return join(name, env, world, rank, local, address, port, names)
-
-
-def _lsf(env, local_devices, outside, forced):
+def lsf(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     keys = (
         "LSB_JOBID",
         "LSB_DJOB_RANKFILE",
@@ -328,7 +211,9 @@ _SLURM_NODELISTS = (
 )
 
 
-def _slurm(env, local_devices, outside, forced):
+def slurm(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     """An srun step. Its batch script or an salloc shell shows SLURM_NTASKS
     and SLURM_PROCID too, but no SLURM_STEP_ID: that is no step (one process
     there is right)."""
@@ -358,7 +243,7 @@ def _slurm(env, local_devices, outside, forced):
         read_whole(env, "SLURM_PROCID", minimum=0),
         read_whole(env, "SLURM_LOCALID", minimum=0),
     )
-    address, port = _slurm_step_address(env)
+    address, port = slurm_step_address(env)
     names = names + ("SLURM_NODEID", "MASTER_ADDR", "MASTER_PORT")
     joined = join("slurm", env, world, rank, local, address, port, names)
     nnodes = _slurm_nodes(env, nodelist)
@@ -385,7 +270,7 @@ def _slurm(env, local_devices, outside, forced):
     )
 
 
-def _slurm_step_address(env):
+def slurm_step_address(env: Mapping[str, str]) -> tuple[str, int] | None:
     """(first host of the step, port from the job and step ids), MASTER_ADDR /
     MASTER_PORT winning; None outside a step."""
     nodelist = next((env[k] for k in _SLURM_NODELISTS if env.get(k)), None)
@@ -400,7 +285,7 @@ def _slurm_step_address(env):
         return address, read_port(env, "MASTER_PORT")
     # Both ids, so concurrent steps of one job do not share a port.
     ids = f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}".encode()
-    return address, zlib.crc32(ids) % _DERIVED_PORT_SPAN + _DERIVED_PORT_BASE
+    return address, zlib.crc32(ids) % DERIVED_PORT_SPAN + DERIVED_PORT_BASE
 
 
 def _slurm_nodes(env, nodelist):
@@ -410,7 +295,9 @@ def _slurm_nodes(env, nodelist):
     return sum(1 for _ in hostlist.hosts(env[nodelist]))
 
 
-def _pet(env, local_devices, outside, forced):
+def pet(
+    env: Mapping[str, str], local_devices: int, outside: Outside, forced: bool
+) -> Launch | None:
     """A node launcher's PET_* variables (torchrun reads them as its options):
     one process per node, which starts PET_NPROC_PER_NODE processes."""
     if not forced and not any(
@@ -499,15 +386,3 @@ def _node_launcher(
         fallback=fallback,
         variables=present(env, names + (SPAWN_VARIABLE,)),
     )
-
-
-ROWS = (
-    ("torchelastic", _torchelastic),
-    ("generic", _generic),
-    ("openmpi", _open_mpi),
-    ("pmi", _pmi),
-    ("mvapich", _mvapich),
-    ("lsf", _lsf),
-    ("slurm", _slurm),
-    ("pet", _pet),
-)

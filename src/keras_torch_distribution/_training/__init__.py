@@ -11,6 +11,8 @@ Modules, bottom first (a module imports only those above it):
 - `optimizer_update`: Keras' torch Adam and SGD updates in place, on local
   blocks, without host syncs; compiled under `jit_compile=True`.
 - `boundary`: the model boundary, through the seam's `Layer.__call__`.
+- `remat`: rematerialization: the recompute replays the forward's layer
+  calls in the forward's Keras call context.
 - `compiled`: the step under `jit_compile=True`: repeated blocks compiled,
   or the outermost call under a distribution.
 - `metric_states`: metric states summed over replicas, in the gradient

@@ -69,12 +69,17 @@ optimizer_sync = OptimizerSync()
 def synchronize(optimizer, grads, variables, group):
     """Average the aligned `grads` of `variables` over the replicas of
     `group` (overlapped with backward when the optimizer's reducer already
-    did it), accumulating first under gradient accumulation; the step's
-    metric states ride along. Collective: call on every rank."""
-    steps = optimizer.gradient_accumulation_steps
-    reducer = (
-        None if steps else _overlapped_reducer(optimizer, variables, group)
-    )
+    did it); the step's metric states ride along. Collective: call on every
+    rank.
+
+    Under gradient accumulation every micro-step's gradient is averaged
+    (as without accumulation), so the accumulators Keras adds it to hold
+    one process's sums on every rank: a checkpoint taken mid-accumulation
+    stores the state one process would, and resumes to its weights.
+    (Accumulating local gradients and averaging once per update, as DDP's
+    `no_sync` does, saves the micro-steps' all-reduces but leaves each
+    rank its own partial sums.)"""
+    reducer = _overlapped_reducer(optimizer, variables, group)
     if reducer is not None and reducer.finish(grads):
         return
     # Gradients of variables sharded on the batch axis (FSDP) arrive
@@ -85,27 +90,13 @@ def synchronize(optimizer, grads, variables, group):
         for g, keep in zip(grads, replicated)
         if g is not None and keep
     ]
-    scale = replicas.batch_scale()
-    if steps:
-        # Accumulate local gradients; average once per real step, together
-        # with what was accumulated.
-        if scale != 1.0:
-            for t in local:
-                t.mul_(scale)
-        iteration = _keras.apply_count(optimizer)
-        if (iteration + 1) % steps:
-            return
-        kept = [v for v, keep in zip(variables, replicated) if keep]
-        accumulators = _keras.gradient_accumulators(optimizer, kept)
-        local += [tensors.local_part(_keras.raw_value(a)) for a in accumulators]
-        scale = 1.0
     # The step's metric states ride along (`metric_states`): no all-reduce
     # of their own at the step's end.
     folded = metric_states.foldable(optimizer, group, local)
     collectives.all_reduce(
         local,
         group.group,
-        scale / group.count,
+        replicas.batch_scale() / group.count,
         unscaled=folded[2] if folded else (),
     )
     if folded:

@@ -18,6 +18,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution import _saving
 from keras_torch_distribution._batch import position
 from keras_torch_distribution._distributed import replicas
+from keras_torch_distribution._log import say_grouped
 from keras_torch_distribution._preemption import agreed_stop
 from keras_torch_distribution._preemption import signals
 from keras_torch_distribution._processes import runtime
@@ -30,9 +31,15 @@ from keras_torch_distribution._variables import left_whole
 
 
 def optimizer_apply(original, optimizer, grads, trainable_variables=None):
-    """Keras `BaseOptimizer.apply`: align each gradient to its variable's
-    layout and average gradients over data-parallel replicas, then apply.
-    Collective: call on every rank."""
+    """Keras `BaseOptimizer.apply` and `LossScaleOptimizer.apply`: align
+    each gradient to its variable's layout and average gradients over
+    data-parallel replicas, then apply. An optimizer that wraps another
+    (LossScaleOptimizer) synchronises before it looks at the gradients, so
+    that every rank judges the same averaged gradients finite or not and
+    skips or applies the same step; the inner optimizer's `apply` then
+    synchronises nothing. Collective: call on every rank."""
+    if not torch.compiler.is_compiling():
+        say_grouped()  # the model's and its slots' findings, before a step
     if gradients.optimizer_sync.apply_depth or len(grads) == 0:
         return original(optimizer, grads, trainable_variables)
     if torch.compiler.is_compiling():
@@ -145,7 +152,7 @@ def _with_last(callbacks, callback, model):
     return list(callbacks) + [callback]
 
 
-def quiet_on_other_ranks(original, model, *args, **kwargs):
+def fit_evaluate_predict(original, model, *args, **kwargs):
     """Keras `Model.fit` / `evaluate` / `predict`: progress is printed, and
     file-writing callbacks write, on rank 0 only. Variables created
     before the distribution was set, that it would shard, get one
@@ -156,6 +163,8 @@ def quiet_on_other_ranks(original, model, *args, **kwargs):
     the ranks stop together, and a preemption signal writes its backups at
     one agreed step (`preemption`). Collective: call on every rank."""
     call_agreement.check(original.__name__, model, args, kwargs)
+    if original.__name__ != "fit":  # fit's come with its first update
+        say_grouped()
     distribution = _keras.current_distribution()
     born_sharded.warn_if_created_outside(model.variables, distribution)
     left_whole.warn_if_left_whole(model.variables, distribution)

@@ -19,6 +19,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution._distributed import layouts
+from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._distributed import tensors
 from keras_torch_distribution._fsdp import gathering
 from keras_torch_distribution._log import warn_once
@@ -95,7 +96,10 @@ def sharded_layout(variable):
             torch_layout = layout.backend_layout
     if torch_layout is not None:
         torch_layout = layouts.for_variable(
-            torch_layout, variable.shape, f"variable {variable.path!r}"
+            torch_layout,
+            variable.shape,
+            f"variable {variable.path!r}",
+            path=variable.path,
         )
         if not torch_layout.is_sharded:
             torch_layout = None
@@ -240,25 +244,57 @@ def convert_for_assign(original, variable, value, dtype=None):
     sharded variable, a value that is not a tensor (a numpy array, a list)
     becomes a CPU tensor (Keras' own conversion, in a CPU device scope), so
     that `direct_assign` slices it on the host and no device holds the
-    whole value. Tensors and variables are converted as Keras does."""
-    if isinstance(_keras.raw_value(variable), DTensor) and not isinstance(
-        value, (torch.Tensor, keras.Variable)
-    ):
+    whole value. Tensors and variables are converted as Keras does.
+
+    A value of a weights file read when used (`stored_values.StoredValue`)
+    stays unread for a sharded variable of its shape: `direct_assign` reads
+    only this rank's block. For any other variable it is read whole, as
+    Keras reads it."""
+    sharded = isinstance(_keras.raw_value(variable), DTensor)
+    if stored_values.is_stored_value(value):
+        if sharded and tuple(value.shape) == tuple(variable.shape):
+            return value
+        value = value.whole()
+    if sharded and not isinstance(value, (torch.Tensor, keras.Variable)):
         with _keras.torch_device_scope("cpu"):
             return original(variable, value, dtype=dtype)
     return original(variable, value, dtype=dtype)
 
 
 def direct_assign(original, variable, value):
-    """Keras `Variable._direct_assign`: reshard the new value into place."""
+    """Keras `Variable._direct_assign`: reshard the new value into place.
+    A value of a weights file (see `convert_for_assign`) is read block by
+    block: only this rank's block, straight into its local tensor where
+    the dtypes agree (a CPU tensor), else through one block on the host."""
     current = _keras.raw_value(variable)
     if isinstance(current, DTensor):
         torch_layout = sharded_layout(variable)
+        if stored_values.is_stored_value(value):
+            _assign_stored(current, value, torch_layout)
+            return
         new = tensors.to_layout(value, torch_layout)
         with torch.no_grad():
             current.to_local().copy_(new.to_local())
         return
     original(variable, tensors.full_value(value))
+
+
+def _assign_stored(current, value, torch_layout):
+    """Read this rank's block of a weights file's `value` into the local
+    tensor of the DTensor `current` (not a collective)."""
+    local = current.to_local()
+    box = layouts.local_box(
+        tuple(current.shape), torch_layout.mesh, torch_layout.placements
+    )
+    with torch.no_grad():
+        if local.device.type == "cpu" and local.dtype == _torch_dtype(value):
+            value.read_block(box, into=local)
+        else:
+            local.copy_(value.read_block(box).reshape(local.shape))
+
+
+def _torch_dtype(value):
+    return _keras.to_torch_dtype(str(value.dtype))
 
 
 def to_numpy(original, variable, dtype=None, copy=None):

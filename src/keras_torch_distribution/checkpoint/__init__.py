@@ -22,13 +22,13 @@ mesh, another LayoutMap or no distribution at all, each rank reading only
 the blocks it holds (plain targets read the full values).
 
 Trust: loading runs nothing from the checkpoint. DCP's `.metadata` is
-unpickled admitting only DCP's metadata classes (`_dcp`), tensors are read
+unpickled admitting only DCP's metadata classes (`_unpickler`), tensors are read
 with `torch.load(weights_only=True)`, and every file is checked against its
 recorded size and CRC-32 before it is read. The checksums detect accidents
 (truncation, flipped bits), not forgery: whoever can write the checkpoint
 can rewrite its marker too.
 
-Completeness and crashes (`_files`): every rank writes into
+Completeness and crashes (`_files`, `_storage`): every rank writes into
 ``<path>.incomplete``; rank 0 completes it with the marker and moves it into
 place, so a checkpoint being written when a process died is never loaded,
 and replacing one is crash-safe at every instant. On hosts that do not share
@@ -39,14 +39,21 @@ Modules, bottom first (a module imports only those above it):
 
 - `_errors`: the checkpoint errors.
 - `_keys`: Keras variable paths to checkpoint keys.
-- `_files`: completion, crash-safe replacement, checksums, which ranks
-  share a storage.
-- `_dcp`: save, async_save, load, the restricted metadata reader.
+- `_location`: where a checkpoint lives: its file names, the directory
+  holding the newest complete checkpoint of a path, its marker.
+- `_checksums`: each file's size and CRC-32, checked before it is read.
+- `_storage`: which ranks share a checkpoint's folder (one per host on
+  local disks).
+- `_files`: completion and crash-safe replacement.
+- `_unpickler`: the restricted reader of DCP's `.metadata`.
+- `_streams`: the checked file streams every file goes through.
+- `_staging`: the pinned memory async saves copy into, reused.
+- `_pending`: saves in progress (`PendingCheckpoint`).
+- `_dcp`: save, async_save, load.
 - `callbacks`: ShardedCheckpoint, BackupAndRestore.
 - `inspect`: what `ktd report CHECKPOINT` prints.
 """
 
-from keras_torch_distribution.checkpoint._dcp import PendingCheckpoint
 from keras_torch_distribution.checkpoint._dcp import async_save
 from keras_torch_distribution.checkpoint._dcp import load
 from keras_torch_distribution.checkpoint._dcp import read_extra
@@ -59,12 +66,13 @@ from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._errors import NotACheckpointError
 from keras_torch_distribution.checkpoint._errors import SplitCheckpointError
 from keras_torch_distribution.checkpoint._errors import UnsafeCheckpointError
-from keras_torch_distribution.checkpoint._files import FORMAT
-from keras_torch_distribution.checkpoint._files import FORMAT_VERSION
-from keras_torch_distribution.checkpoint._files import MARKER
-from keras_torch_distribution.checkpoint._files import is_checkpoint
-from keras_torch_distribution.checkpoint._files import read_marker
 from keras_torch_distribution.checkpoint._keys import variables_by_key
+from keras_torch_distribution.checkpoint._location import FORMAT
+from keras_torch_distribution.checkpoint._location import FORMAT_VERSION
+from keras_torch_distribution.checkpoint._location import MARKER
+from keras_torch_distribution.checkpoint._location import is_checkpoint
+from keras_torch_distribution.checkpoint._location import read_marker
+from keras_torch_distribution.checkpoint._pending import PendingCheckpoint
 from keras_torch_distribution.checkpoint.callbacks import ShardedCheckpoint
 from keras_torch_distribution.checkpoint.callbacks import latest
 

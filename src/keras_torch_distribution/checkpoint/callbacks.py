@@ -12,6 +12,8 @@ import keras
 
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
+import keras_torch_distribution.checkpoint._location as _location
+import keras_torch_distribution.checkpoint._storage as _storage
 from keras_torch_distribution import _keras
 from keras_torch_distribution._batch import position
 from keras_torch_distribution._distributed import agreement
@@ -26,9 +28,9 @@ _ANY_STATE = re.compile(
     % tuple(
         re.escape(s)
         for s in (
-            _files.INCOMPLETE_SUFFIX,
-            _files.OLD_SUFFIX,
-            _files.REMOVING_SUFFIX,
+            _location.INCOMPLETE_SUFFIX,
+            _location.OLD_SUFFIX,
+            _location.REMOVING_SUFFIX,
         )
     )
 )
@@ -48,13 +50,13 @@ def _steps(directory: str) -> dict[int, str]:
 def latest(directory: str | os.PathLike[str]) -> str | None:
     """The newest complete checkpoint `ShardedCheckpoint` wrote in
     `directory` (the highest step), or None."""
-    directory = _files.normalize(directory)
+    directory = _location.normalize(directory)
     if not os.path.isdir(directory):
         return None
     complete = [
         (step, path)
         for step, path in _steps(directory).items()
-        if _files.is_checkpoint(path)
+        if _location.is_checkpoint(path)
     ]
     return max(complete)[1] if complete else None
 
@@ -64,17 +66,17 @@ def tidy(directory: str, max_to_keep: int | None = None) -> None:
     replacements, remove ``*.incomplete`` left by crashed saves and other
     leftovers), then keep only the newest `max_to_keep` complete ones.
     The lowest rank of each storage that holds `directory` (one on a
-    shared filesystem, one per host on local disks: `_files.storage_groups`,
+    shared filesystem, one per host on local disks: `_storage.storage_groups`,
     which makes `directory` in a multi-process run) works between two
     barriers.
     Collective: call on every rank."""
-    groups = _files.storage_groups(directory)
+    groups = _storage.storage_groups(directory)
     agreement.barrier()
-    if _files.leads(groups) and os.path.isdir(directory):
+    if _storage.leads(groups) and os.path.isdir(directory):
         steps = _steps(directory)
         for step in sorted(steps):
             _files.settle(steps[step])
-        complete = sorted(s for s in steps if _files.has_marker(steps[s]))
+        complete = sorted(s for s in steps if _location.has_marker(steps[s]))
         if max_to_keep is not None:
             for step in complete[:-max_to_keep]:
                 _files.remove_checkpoint(steps[step])
@@ -124,7 +126,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
                 f"max_to_keep={max_to_keep!r} must be None (keep all) or a "
                 "positive integer."
             )
-        self.directory = _files.normalize(directory)
+        self.directory = _location.normalize(directory)
         self.save_freq = save_freq
         self.optimizer = optimizer
         self.max_to_keep = max_to_keep
@@ -284,11 +286,11 @@ def write_backup(callback) -> str:
     one kept as `previous.ckpt` with `double_checkpoint`); its path.
     Collective: call on every rank."""
     latest_path = os.path.join(callback.backup_dir, BACKUP_NAME)
-    groups = _files.storage_groups(callback.backup_dir)  # makes the folder
-    if _files.leads(groups):
+    groups = _storage.storage_groups(callback.backup_dir)  # makes the folder
+    if _storage.leads(groups):
         if callback.double_checkpoint:
             _files.settle(latest_path)
-            if _files.has_marker(latest_path):
+            if _location.has_marker(latest_path):
                 previous = os.path.join(
                     callback.backup_dir, PREVIOUS_BACKUP_NAME
                 )
@@ -315,7 +317,7 @@ def backup_load(original, callback):
         candidates.append(
             os.path.join(callback.backup_dir, PREVIOUS_BACKUP_NAME)
         )
-    candidates = [path for path in candidates if _files.is_checkpoint(path)]
+    candidates = [path for path in candidates if _location.is_checkpoint(path)]
     for index, path in enumerate(candidates):
         try:
             extra = _dcp.load(model, path) or {}
@@ -340,10 +342,10 @@ def backup_train_end(original, callback, logs=None):
     if not runtime.is_multi_process():
         return original(callback, logs)
     if callback.delete_checkpoint:
-        groups = _files.storage_groups(callback.backup_dir)
+        groups = _storage.storage_groups(callback.backup_dir)
         agreement.barrier()
-        if _files.leads(groups) and os.path.exists(callback.backup_dir):
+        if _storage.leads(groups) and os.path.exists(callback.backup_dir):
             shutil.rmtree(callback.backup_dir)
-        _files.forget_storage(callback.backup_dir)
+        _storage.forget_storage(callback.backup_dir)
         agreement.barrier()
     return None

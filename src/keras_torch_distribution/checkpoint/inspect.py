@@ -19,11 +19,16 @@ from typing import Any
 
 import torch
 
-import keras_torch_distribution.checkpoint._dcp as _dcp
-import keras_torch_distribution.checkpoint._files as _files
+import keras_torch_distribution.checkpoint._checksums as _checksums
+import keras_torch_distribution.checkpoint._location as _location
+import keras_torch_distribution.checkpoint._unpickler as _unpickler
+from keras_torch_distribution._log import grouped
+from keras_torch_distribution._log import human_bytes
+from keras_torch_distribution._log import ranks_text
 from keras_torch_distribution._variables import left_whole
 from keras_torch_distribution.checkpoint._errors import DamagedCheckpointError
 from keras_torch_distribution.checkpoint._keys import MODEL_PREFIX
+from keras_torch_distribution.checkpoint.callbacks import latest
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -35,8 +40,8 @@ def verify(
     """Check every file of the checkpoint at `path` (reads them all): raise
     DamagedCheckpointError naming each damaged file and its writer; return
     (directory, marker, metadata) of an intact one."""
-    directory, marker = _files.locate(path)
-    damaged = _files.problems(directory, marker)
+    directory, marker = _location.locate(path)
+    damaged = _checksums.problems(directory, marker)
     if len(damaged) == 1:
         raise damaged[0]
     if damaged:
@@ -47,18 +52,50 @@ def verify(
             directory,
             damaged[0].rank,
         )
-    return directory, marker, _dcp.read_metadata(directory, marker)
+    return directory, marker, _unpickler.read_metadata(directory, marker)
+
+
+class CheckpointRows(list):
+    """`checkpoint_table`'s rows, with the checkpoint they come from:
+    `directory`, its `marker`, and `newest_of` ((folder, number of
+    checkpoints) where a ShardedCheckpoint folder was given, else None)."""
+
+    directory = None
+    marker = None
+    newest_of = None
+
+
+def newest(path: str | os.PathLike[str]) -> tuple[str, Any]:
+    """(checkpoint, newest_of): `path` itself where it is a checkpoint;
+    the newest complete checkpoint of a folder `ShardedCheckpoint` wrote
+    in, with (folder, how many it holds); else NotACheckpointError (from
+    `_files.locate`, naming `path`)."""
+    if _location.is_checkpoint(path) or not os.path.isdir(path):
+        return str(path), None
+    found = latest(path)
+    if found is None:
+        return str(path), None  # locate() names what is wrong
+    count = sum(
+        _location.is_checkpoint(os.path.join(path, name))
+        for name in os.listdir(path)
+    )
+    return found, (str(path), count)
 
 
 def checkpoint_table(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Per-variable rows of an intact sharded checkpoint: key, global shape,
     dtype, the blocks each writing rank stored, and whether its files were
-    verified (False for a checkpoint written before checksums)."""
-    _, marker, metadata = verify(path)
-    verified = bool(_files.file_entries(marker))
+    verified (False for a checkpoint written before checksums). `path` is
+    a checkpoint, or a ShardedCheckpoint folder (its newest checkpoint).
+    A `CheckpointRows` list."""
+    path, newest_of = newest(path)
+    directory, marker, metadata = verify(path)
+    verified = bool(_checksums.file_entries(marker))
     writers = {}
     for index, info in metadata.storage_data.items():
-        rank = _files.writer_of(marker, os.path.basename(info.relative_path))
+        rank = _checksums.writer_of(
+            marker, os.path.basename(info.relative_path)
+        )
         writers[(index.fqn, tuple(index.offset or ()))] = (rank, info.length)
     rows = []
     for key, entry in sorted(metadata.state_dict_metadata.items()):
@@ -85,6 +122,8 @@ def checkpoint_table(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             }
         )
     _mark_whole(rows, marker.get("num_processes", 1))
+    rows = CheckpointRows(rows)
+    rows.directory, rows.marker, rows.newest_of = directory, marker, newest_of
     return rows
 
 
@@ -123,31 +162,49 @@ def _mark_whole(rows: list[dict[str, Any]], num_processes: int) -> None:
 
 
 def format_checkpoint_table(rows: list[dict[str, Any]]) -> str:
-    """The text `ktd report CHECKPOINT` prints for `checkpoint_table`'s rows."""
-    header = (
-        f"{'variable':44} {'global shape':>16} {'dtype':>9}  "
-        "blocks (rank: offsets + shape)"
-    )
-    lines = [header, "-" * len(header)]
+    """The text `ktd report CHECKPOINT` prints for `checkpoint_table`'s
+    rows: which checkpoint (the newest of a folder), its epoch and step,
+    each variable's blocks with the ranks that wrote equal ones grouped,
+    the bytes each group of ranks wrote, readable. Nothing is cut."""
+    lines = _about(rows)
+    table = [("variable", "global shape", "dtype", "blocks")]
     totals = {}
     for row in rows:
-        blocks = "; ".join(
-            f"{b['rank']}: {b['offsets']}+{b['shape']}" for b in row["blocks"]
-        )
         mark = "  WHOLE" if row.get("whole") else ""
-        lines.append(
-            f"{row['key'][:44]:44} {str(row['shape']):>16} "
-            f"{row['dtype']:>9}  {blocks}{mark}"
+        table.append(
+            (
+                row["key"],
+                str(row["shape"]),
+                row["dtype"],
+                _blocks_text(row) + mark,
+            )
         )
         for b in row["blocks"]:
             totals[b["rank"]] = totals.get(b["rank"], 0) + (b["bytes"] or 0)
-    lines.append(
-        "bytes written per rank: "
-        + ", ".join(
-            f"rank {r}: {n:,}"
-            for r, n in sorted(totals.items(), key=lambda kv: str(kv[0]))
+    widths = [max(len(r[i]) for r in table) for i in range(3)]
+    for i, cells in enumerate(table):
+        lines.append(
+            "  ".join(c.ljust(w) for c, w in zip(cells[:3], widths))
+            + "  "
+            + cells[3]
         )
-    )
+        if i == 0:
+            lines.append("-" * (sum(widths) + 6 + len("blocks")))
+    marker = getattr(rows, "marker", None)
+    if marker and _checksums.file_entries(marker):  # every file, by its writer
+        totals = {}
+        for entry in _checksums.file_entries(marker).values():
+            rank = entry.get("rank")
+            totals[rank] = totals.get(rank, 0) + entry["bytes"]
+    known = {r: n for r, n in totals.items() if r is not None}
+    groups = [
+        f"{ranks_text(ranks)}: {human_bytes(n)}"
+        + (" each" if len(ranks) > 1 else "")
+        for ranks, n in grouped(known)
+    ]
+    if None in totals:
+        groups.append(f"writer unknown: {human_bytes(totals[None])}")
+    lines.append("bytes written: " + "; ".join(groups))
     for row in rows:
         whole = row.get("whole")
         if whole:
@@ -167,3 +224,57 @@ def format_checkpoint_table(rows: list[dict[str, Any]]) -> str:
             "not verified: written before checkpoints carried checksums"
         )
     return "\n".join(lines)
+
+
+def _blocks_text(row: dict[str, Any]) -> str:
+    """A variable's blocks, ranks with equal block shapes grouped: "ranks
+    0-3: (3, 20) each, split on dim 0", "rank 0: whole"."""
+    shape = tuple(row["shape"])
+    blocks = row["blocks"]
+    if len(blocks) == 1 and tuple(blocks[0]["shape"]) == shape:
+        rank = blocks[0]["rank"]
+        return f"{ranks_text([rank]) if rank is not None else 'rank ?'}: whole"
+    by_rank, unknown = {}, []
+    for b in blocks:
+        if b["rank"] is None:
+            unknown.append(tuple(b["shape"]))
+        else:
+            by_rank.setdefault(b["rank"], []).append(tuple(b["shape"]))
+    parts = []
+    for ranks, shapes in grouped(by_rank):
+        text = ", ".join(str(s) for s in shapes)
+        parts.append(
+            f"{ranks_text(ranks)}: {text}" + (" each" if len(ranks) > 1 else "")
+        )
+    if unknown:
+        parts.append("writer unknown: " + ", ".join(str(s) for s in unknown))
+    split = sorted(
+        {d for b in blocks for d, n in enumerate(b["shape"]) if n < shape[d]}
+    )
+    where = f", split on dim{'s' if len(split) > 1 else ''} " + ", ".join(
+        map(str, split)
+    )
+    return "; ".join(parts) + (where if split else "")
+
+
+def _about(rows: list[dict[str, Any]]) -> list[str]:
+    """The header lines: which checkpoint, its epoch, step and size."""
+    directory = getattr(rows, "directory", None)
+    if directory is None:
+        return []
+    marker = rows.marker
+    extra = marker.get("extra") if isinstance(marker.get("extra"), dict) else {}
+    where = f"checkpoint {directory}"
+    if rows.newest_of:
+        folder, count = rows.newest_of
+        where += f" (the newest of {count} in {folder})"
+    facts = [
+        f"{name} {extra[name]}"
+        for name in ("epoch", "step", "batch")
+        if name in extra
+    ]
+    facts.append(f"written by {marker.get('num_processes', 1)} process(es)")
+    size = sum(e["bytes"] for e in _checksums.file_entries(marker).values())
+    if size:
+        facts.append(human_bytes(size))
+    return [where, ", ".join(facts), ""]

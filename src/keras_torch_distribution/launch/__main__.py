@@ -64,7 +64,6 @@ def run_target(argv):
 def _run(argv):
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(USAGE)
-    import keras_torch_distribution  # noqa: F401  (installs into Keras)
     from keras_torch_distribution._log import quiet_other_ranks
 
     quiet_other_ranks()  # other libraries' logging: rank 0's, once

@@ -11,6 +11,14 @@ redistributions issue. (Torch's `CommDebugMode` does the same, but its
 module tracker fails on nested Keras layers.) Counts are per call on this
 rank; a collective not named here is counted under its own op name.
 
+Counts are those a CUDA mesh issues, on any mesh: a DTensor
+redistribution from one sharded dim to another is one `all_to_all` (NCCL;
+`_dtensor::shard_dim_alltoall`), which torch runs on a CPU mesh as an
+all-gather plus a chunk (gloo has no all-to-all). Within a count, that
+CPU fallback is counted as the all_to_all it stands for (its input's
+bytes), and its all-gather not at all (`_alltoall_as_on_cuda`). It shows
+under "all_to_all" only where issued.
+
     with _collective_counts.tally() as tally:
         model.train_function(batch)
     tally.counts, tally.bytes  # bytes: the full buffer of each call, summed
@@ -24,6 +32,7 @@ import contextlib
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import placement_types
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # kind -> the op names (c10d and functional collectives) counted as it
@@ -51,10 +60,19 @@ KINDS = {
         "all_reduce_coalesced",
     ),
 }
+# Counted as every other kind, but shown only where issued.
+ALL_TO_ALL = (
+    "alltoall_base_",
+    "alltoall_",
+    "all_to_all_single",
+    "shard_dim_alltoall",
+)
 _KIND_OF = {name: kind for kind, names in KINDS.items() for name in names}
+_KIND_OF.update({name: "all_to_all" for name in ALL_TO_ALL})
 
 
-_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+_DTENSOR_COLLECTIVES = ("shard_dim_alltoall",)
 _NOT_COUNTED = (
     "wait_tensor",
     "wait",
@@ -73,6 +91,12 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.counts = counts
         self.sizes = sizes
+        self.paused = False  # inside a CPU all-to-all's fallback
+
+    def add(self, kind, nbytes):
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if self.sizes is not None:
+            self.sizes[kind] = self.sizes.get(kind, 0) + nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -80,17 +104,17 @@ class _Counter(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(t is DTensor for t in types):
             return NotImplemented
-        if func.namespace in _NAMESPACES:
+        if func.namespace in _NAMESPACES and not self.paused:
             name = func._overloadpacket._qualified_op_name.split("::")[-1]
-            if name not in _NOT_COUNTED:
-                kind = _KIND_OF.get(name, name)
-                self.counts[kind] = self.counts.get(kind, 0) + 1
-                if self.sizes is not None:
-                    result = func(*args, **kwargs)
-                    self.sizes[kind] = self.sizes.get(kind, 0) + max(
-                        [_nbytes(a) for a in args] + [_nbytes(result)]
-                    )
-                    return result
+            if name not in _NOT_COUNTED and (
+                func.namespace != "_dtensor" or name in _DTENSOR_COLLECTIVES
+            ):
+                result = func(*args, **kwargs)
+                self.add(
+                    _KIND_OF.get(name, name),
+                    max([_nbytes(a) for a in args] + [_nbytes(result)]),
+                )
+                return result
         return func(*args, **kwargs)
 
 
@@ -106,12 +130,47 @@ def _nbytes(value):
 
 
 @contextlib.contextmanager
+def _alltoall_as_on_cuda(counter):
+    """Within the block, a DTensor all-to-all on a CPU mesh (torch's
+    all-gather plus chunk, gloo having none) counts on `counter` as the
+    one all_to_all a CUDA mesh issues, with its input's bytes, and its
+    all-gather not at all. Torch's function is swapped for the block only
+    (where this torch has it; without it there is nothing to count)."""
+    original = getattr(placement_types, "shard_dim_alltoall", None)
+    if original is None:
+        yield
+        return
+
+    def shard_dim_alltoall(input, gather_dim, shard_dim, mesh, mesh_dim):
+        if mesh.device_type != "cpu" or counter.paused:
+            return original(input, gather_dim, shard_dim, mesh, mesh_dim)
+        counter.add("all_to_all", _nbytes(input))
+        counter.paused = True
+        try:
+            return original(input, gather_dim, shard_dim, mesh, mesh_dim)
+        finally:
+            counter.paused = False
+
+    placement_types.shard_dim_alltoall = shard_dim_alltoall
+    try:
+        yield
+    finally:
+        placement_types.shard_dim_alltoall = original
+
+
+@contextlib.contextmanager
+def _counted(counter):
+    with _alltoall_as_on_cuda(counter), counter:
+        yield
+
+
+@contextlib.contextmanager
 def counting():
     """Within the block, count the collectives issued on this rank; the
-    yielded dict counts every kind of KINDS (0 when none), and any other
-    collective under its op name."""
+    yielded dict counts every kind of KINDS (0 when none), all_to_all
+    where issued, and any other collective under its op name."""
     counts = {kind: 0 for kind in KINDS}
-    with _Counter(counts):
+    with _counted(_Counter(counts)):
         yield counts
 
 
@@ -129,5 +188,5 @@ def tally():
     """Within the block, count the collectives issued on this rank and
     their bytes (see the module docstring); yields a `Tally`."""
     result = Tally()
-    with _Counter(result.counts, result.bytes):
+    with _counted(_Counter(result.counts, result.bytes)):
         yield result

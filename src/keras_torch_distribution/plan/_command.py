@@ -1,12 +1,22 @@
-"""`ktd plan --world N [--json PATH] [--step fake|real|no] SCRIPT
-[ARGS]`."""
+"""`ktd plan --world N [--json PATH|-] [--step fake|real|no] SCRIPT
+[ARGS]`.
 
+`main(argv)` is the whole command: it prints and returns the exit status.
+`plan_and_print(...)` is the same on arguments already parsed (the CLI's
+parser calls it). `run(argv)` is the older form: (status, text).
+"""
+
+import contextlib
 import os
+import sys
+import time
 
 USAGE = (
-    "usage: ktd plan --world N [--json PATH] [--step fake|real|no] "
+    "usage: ktd plan --world N [--json PATH|-] [--step fake|real|no] "
     "SCRIPT [ARGS]"
 )
+# The JSON's layout: a reader checks it (`_output` lists the fields).
+FORMAT_VERSION = 1
 
 
 def parse(argv):
@@ -36,27 +46,132 @@ def parse(argv):
     return options, argv[i], argv[i + 1 :]
 
 
-def run(argv):
-    """Run `ktd plan`: (exit status, what to print). The plan as text
-    (written to `--json` too), or status 2 and the error naming a bad
-    argument or script."""
+def check_json_path(path):
+    """A ValueError naming `path` where the JSON could not be written
+    there: checked before planning, which can take minutes. "-" is
+    stdout."""
+    if path is None or path == "-":
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    problem = None
+    if os.path.isdir(path):
+        problem = "is a folder"
+    elif not os.path.isdir(folder):
+        problem = f"is in a folder that does not exist ({folder})"
+    elif not os.access(folder, os.W_OK) or (
+        os.path.exists(path) and not os.access(path, os.W_OK)
+    ):
+        problem = "cannot be written"
+    if problem:
+        raise ValueError(
+            f"ktd plan: --json {path!r} {problem}: give a file path in an "
+            "existing, writable folder, or --json - for stdout."
+        )
+
+
+def stderr_progress():
+    """A progress printer: one line per phase on stderr, with the seconds
+    since it was made."""
+    started = time.perf_counter()
+
+    def progress(text):
+        elapsed = time.perf_counter() - started
+        print(
+            f"ktd plan [{elapsed:5.1f} s] {text}", file=sys.stderr, flush=True
+        )
+
+    return progress
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Within the block, whatever writes to stdout (the script's prints,
+    Keras', native code's) goes to stderr: stdout carries the JSON alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def make_plan(
+    world, script, args=(), step="auto", json_path=None, progress=None
+):
+    """The plan's dict, its JSON written to `json_path` ("-": stdout, the
+    script's own prints kept off it). A ValueError or `PlanError` says
+    what is wrong; the path is checked before planning. `progress(text)`
+    hears each phase (default: `stderr_progress()`)."""
     from keras_torch_distribution.plan import _world
 
-    try:
-        options, script, args = parse(argv)
-        _world.check_world(options["world"])
-    except ValueError as error:
-        return 2, str(error)
+    world = _world.check_world(world)
+    check_json_path(json_path)
     os.environ.setdefault("KERAS_BACKEND", "torch")
     from keras_torch_distribution.plan import _output
     from keras_torch_distribution.plan import _runner
 
+    progress = progress or stderr_progress()
+    quiet = (
+        _stdout_to_stderr() if json_path == "-" else contextlib.nullcontext()
+    )
+    with quiet:
+        plan = _runner.plan(world, script, args, step=step, progress=progress)
+    plan = {"format_version": FORMAT_VERSION, **plan}
+    if json_path:
+        _output.write_json(plan, json_path)
+    return plan
+
+
+def plan_and_print(world, script, args=(), step="auto", json_path=None):
+    """`ktd plan` on parsed arguments: the text plan on stdout (on stderr
+    with --json -, whose JSON is stdout's), progress and errors on
+    stderr; the exit status (2: the error printed)."""
+    from keras_torch_distribution.plan import _runner
+
     try:
-        plan = _runner.plan(
-            options["world"], script, args, step=options["step"]
+        plan = make_plan(world, script, args, step, json_path)
+    except (_runner.PlanError, ValueError) as error:
+        print(str(error), file=sys.stderr)
+        return 2
+    from keras_torch_distribution.plan import _output
+
+    text = _output.format_text(plan)
+    print(text, file=sys.stderr if json_path == "-" else sys.stdout)
+    return 0
+
+
+def main(argv):
+    """`ktd plan ARGV`: prints, and returns the exit status."""
+    try:
+        options, script, args = parse(argv)
+    except ValueError as error:
+        print(str(error), file=sys.stderr)
+        return 2
+    return plan_and_print(
+        options["world"], script, args, options["step"], options["json"]
+    )
+
+
+def run(argv):
+    """Run `ktd plan`: (exit status, what to print). The plan as text
+    (written to `--json` too), or status 2 and the error naming a bad
+    argument or script. With `--json -` the JSON is printed here and the
+    text is "" (`main` prints the text to stderr instead)."""
+    from keras_torch_distribution.plan import _output
+    from keras_torch_distribution.plan import _runner
+
+    try:
+        options, script, args = parse(argv)
+        plan = make_plan(
+            options["world"], script, args, options["step"], options["json"]
         )
     except (_runner.PlanError, ValueError) as error:
         return 2, str(error)
-    if options["json"]:
-        _output.write_json(plan, options["json"])
+    if options["json"] == "-":
+        print(_output.format_text(plan), file=sys.stderr)
+        return 0, ""
     return 0, _output.format_text(plan)

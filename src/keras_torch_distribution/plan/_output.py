@@ -1,6 +1,7 @@
 """The plan as text (`format_text`) and as JSON (`write_json`).
 
-The JSON holds the plan's dict: `world`, `per_rank` (one object per set of
+The JSON holds the plan's dict: `format_version` (1: this layout),
+`world`, `per_rank` (one object per set of
 identical ranks: `rank`, the first of them, `ranks`, all of them,
 `params_bytes`, `grads_bytes`, `optimizer_bytes`, `total_bytes` (their sum),
 under FSDP `fsdp_gathered_bytes` (gathered weights held at once),
@@ -8,13 +9,16 @@ under FSDP `fsdp_gathered_bytes` (gathered weights held at once),
 see `_fsdp_figure`), `peak_bytes` (the total plus FSDP's gathered
 weights)), `worst_rank`, `step_simulated`, `step_kind` ("real" or "fake":
 see `_fake_step`), `collectives_per_step` (kind -> count and bytes of one
-training step on rank 0; every rank issues the same collectives),
+training step on rank 0; every rank issues the same collectives; those a
+CUDA mesh issues, `collectives_backend` "nccl": all_to_all where a CPU
+mesh issues an all-gather),
 `fsdp_prefetch` (the depth simulated), `accelerate_estimate`
 (Accelerate's `estimate-memory` method: the model's bytes, and 4x for
 training with Adam), `left_whole`, `peak_rss_bytes`, `wall_seconds`.
 """
 
 import json
+import sys
 
 
 def human(n):
@@ -93,8 +97,9 @@ def format_text(plan):
     lines.append("")
     if plan["collectives_per_step"] is not None:
         lines.append(
-            "collectives per training step (every rank), counted in a "
-            f"step on {_STEP_KINDS[plan['step_kind']]}:"
+            "collectives per training step (every rank, as a CUDA mesh "
+            "issues them: an all_to_all where a CPU mesh all-gathers), "
+            f"counted in a step on {_STEP_KINDS[plan['step_kind']]}:"
         )
         for kind, entry in plan["collectives_per_step"].items():
             lines.append(
@@ -149,6 +154,12 @@ def _fsdp_line(plan, worst):
 
 
 def write_json(plan, path):
+    """The plan as JSON in the file `path`, or on stdout for "-"."""
+    if path == "-":
+        json.dump(plan, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return
     with open(path, "w", encoding="utf-8") as file:
         json.dump(plan, file, indent=2)
         file.write("\n")

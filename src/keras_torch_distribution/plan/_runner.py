@@ -18,6 +18,7 @@ import time
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution._fsdp import gathering
+from keras_torch_distribution._log import say_grouped
 from keras_torch_distribution._variables import left_whole
 from keras_torch_distribution.plan import _fsdp_figure
 from keras_torch_distribution.plan import _peers
@@ -39,9 +40,10 @@ class PlanError(RuntimeError):
     """The script cannot be planned as it is (the message says why)."""
 
 
-def plan(world, script, args=(), step="auto"):
+def plan(world, script, args=(), step="auto", progress=None):
     """The plan of `script args` at `world` processes (see the module
-    docstring)."""
+    docstring). `progress(text)`, if given, hears each phase."""
+    progress = progress or (lambda text: None)
     world = simulated_world.check_world(world)
     if step not in STEP_CHOICES:
         raise ValueError(
@@ -55,15 +57,20 @@ def plan(world, script, args=(), step="auto"):
             f"ktd plan: script {script!r} is not a file: give the path of "
             "the Python script to plan (ktd plan --world N script.py ARGS)."
         )
-    import keras_torch_distribution  # noqa: F401  (installs the package)
-
     started = time.perf_counter()
 
     def step_kind(model):
         if step == "no":
+            progress("stopped at the script's first fit; no step (--step no)")
             return None, "--step no"
-        return ("real" if step in ("real", "yes") else "fake"), None
+        kind = "real" if step in ("real", "yes") else "fake"
+        progress(
+            "stopped at the script's first fit: simulating one training "
+            f"step on {kind} tensors, counting its collectives"
+        )
+        return kind, None
 
+    progress(f"running {script} as rank 0 of {world} simulated processes")
     with (
         _planned_prefetch(),
         simulated_world.simulated(world),
@@ -79,6 +86,10 @@ def plan(world, script, args=(), step="auto"):
                 "model's variables. Make the script build its model and call "
                 "model.fit(...) (the plan stops there, before training)."
             )
+        say_grouped()  # findings of a script stopped before its first update
+        progress(
+            f"stopped at {record.stopped_at}: each rank's bytes, {world} ranks"
+        )
         result = assemble(record, world)
     result["script"] = [script, *args]
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -86,6 +97,17 @@ def plan(world, script, args=(), step="auto"):
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
     return result
+
+
+# Keras' DeviceMesh, for a shape whose product is not the devices' number.
+_MESH_MISMATCH = "Shape does not match the number of devices"
+
+
+def len_devices():
+    """The simulated world's size (while planning)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size()
 
 
 def _run_script(script, args, record):
@@ -98,6 +120,16 @@ def _run_script(script, args, record):
         pass
     except _peers.NeedsPeers as error:
         raise PlanError(str(error)) from None
+    except ValueError as error:
+        if _MESH_MISMATCH in str(error):
+            raise PlanError(
+                f"ktd plan: {script!r} builds a mesh for another number of "
+                f"devices than the --world {len_devices()} planned for "
+                f"(Keras: {str(error).strip()}). Give --world the mesh's "
+                "number of devices, or build the mesh from "
+                "keras.distribution.list_devices(), whose length is --world."
+            ) from None
+        raise
     except SystemExit as exit_:
         if record.model is None:
             raise PlanError(
@@ -196,12 +228,8 @@ def assemble(record, world):
         "step_simulated": tally is not None,
         "step_kind": record.step_kind if tally is not None else None,
         "no_step_reason": record.no_step,
-        "collectives_per_step": {
-            kind: {"count": tally.counts[kind], "bytes": tally.bytes[kind]}
-            for kind in tally.counts
-        }
-        if tally is not None
-        else None,
+        "collectives_backend": "nccl",
+        "collectives_per_step": _collectives(tally),
         "left_whole": [
             {
                 "path": entry["variable"].path,
@@ -211,4 +239,19 @@ def assemble(record, world):
             }
             for entry in left_whole.left_whole(variables, distribution)
         ],
+    }
+
+
+def _collectives(tally):
+    """kind -> count and bytes of the counted step, as a CUDA (NCCL) mesh
+    issues them (`_collective_counts`: a redistribution between sharded
+    dims is one all_to_all, never the CPU's all-gather); all_to_all shown
+    even where none. None without a counted step."""
+    if tally is None:
+        return None
+    counts = dict(tally.counts)
+    counts.setdefault("all_to_all", 0)
+    return {
+        kind: {"count": count, "bytes": tally.bytes.get(kind, 0)}
+        for kind, count in counts.items()
     }

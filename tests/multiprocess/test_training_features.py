@@ -1,0 +1,362 @@
+"""Keras training features under every distribution (issue 40): each
+feature trained under DataParallel, tensor parallelism on a (1, 2) mesh,
+FSDP on a (2, 1) mesh (the batch axis shards the kernels) and both on a
+(2, 2) mesh, against one process on the global batch from the same
+weights and data. docs/semantics.md holds the matrix these tests check.
+
+CI time: the pools are spawned once for the module, and each test is one
+pool call that runs every feature of its distribution in turn (a feature
+that fails is reported by name, with the others' results).
+"""
+
+import os
+import traceback
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROWS, BATCH = 32, 8
+TOL = dict(rtol=2e-5, atol=2e-5)
+MESHES = {"tp": (1, 2), "fsdp": (2, 1), "2d": (2, 2)}
+# The batch axis shards dim 0 of `hidden` and dim 1 of `proj` and `out`:
+# FSDP on a (2, 1) mesh; with the model axis, column- then row-parallel.
+RULES = {
+    "hidden/kernel": ("batch", "model"),
+    "hidden/bias": ("model",),
+    "proj/kernel": ("model", "batch"),
+    "out/kernel": ("batch", None),
+}
+
+
+def _distribute(kind):
+    if kind is None:
+        return
+    if kind == "dp":
+        keras.distribution.set_distribution(keras.distribution.DataParallel())
+        return
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh(
+        MESHES[kind], ["batch", "model"], devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for pattern, axes in RULES.items():
+        layout_map[pattern] = axes
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+
+
+def _layers():
+    return [
+        keras.layers.Dense(8, activation="relu", name="hidden"),
+        keras.layers.Dense(8, activation="tanh", name="proj"),
+        keras.layers.Dense(4, name="out"),
+    ]
+
+
+def _mlp(remat_mode=None):
+    keras.utils.set_random_seed(0)
+    scope = keras.RematScope(mode=remat_mode) if remat_mode else None
+    if scope is not None:
+        scope.__enter__()
+    try:
+        inputs = keras.Input((6,))
+        x = inputs
+        for layer in _layers():
+            x = layer(x)
+        return keras.Model(inputs, x, name="mlp")
+    finally:
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (
+        rng.normal(size=(ROWS, 6)).astype("float32"),
+        rng.normal(size=(ROWS, 4)).astype("float32"),
+    )
+
+
+def _weights(model):
+    return {v.path: np.asarray(v, "float32") for v in model.weights}
+
+
+def _fit(model, optimizer=None, jit_compile=False, epochs=1, **fit_kwargs):
+    model.compile(
+        optimizer=optimizer or keras.optimizers.Adam(0.01),
+        loss="mse",
+        jit_compile=jit_compile,
+    )
+    x, y = _data()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        **fit_kwargs,
+    )
+    return dict(loss=history.history["loss"], weights=_weights(model))
+
+
+# --- rematerialization ----------------------------------------------------
+
+
+class _RematBlock(keras.layers.Layer):
+    """`keras.remat` on part of a layer's call: two Dense and a residual."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu", name="hidden")
+        self.proj = keras.layers.Dense(8, name="proj")
+
+    def call(self, x):
+        return keras.remat(self._inner)(x)
+
+    def _inner(self, x):
+        return self.proj(self.hidden(x)) + x
+
+
+def remat_full():
+    return _fit(_mlp("full"))
+
+
+def remat_full_jit():
+    return _fit(_mlp("full"), jit_compile=True)
+
+
+def remat_activations():
+    return _fit(_mlp("activations"))
+
+
+def remat_layer():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, name="embed")(inputs)
+    x = _RematBlock(name="block")(x)
+    outputs = keras.layers.Dense(4, name="out")(x)
+    return _fit(keras.Model(inputs, outputs))
+
+
+def remat_keras_hub():
+    """A tiny keras_hub Llama built in RematScope("full"), under its own
+    layout map where the distribution has a model axis (FSDP: the map
+    shards its kernels on the batch axis too)."""
+    keras_hub = pytest.importorskip("keras_hub")
+    vocabulary, length = 32, 8
+    current = keras.distribution.distribution()
+    if isinstance(current, keras.distribution.ModelParallel):
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=keras_hub.models.LlamaBackbone.get_layout_map(
+                    current.device_mesh
+                ),
+                batch_dim_name="batch",
+            )
+        )
+    keras.utils.set_random_seed(0)
+    with keras.RematScope(mode="full"):
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=vocabulary,
+            num_layers=2,
+            num_query_heads=2,
+            num_key_value_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+        )
+        model = keras_hub.models.LlamaCausalLM(
+            backbone=backbone, preprocessor=None
+        )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    ids = np.random.default_rng(0).integers(1, vocabulary, (16, length + 1))
+    x = {
+        "token_ids": ids[:, :-1],
+        "padding_mask": np.ones((16, length), bool),
+    }
+    history = model.fit(
+        x, ids[:, 1:], batch_size=BATCH, epochs=1, shuffle=False, verbose=0
+    )
+    return dict(loss=history.history["loss"], weights=_weights(model))
+
+
+# --- loss scaling ---------------------------------------------------------
+
+
+def loss_scale_overflow(jit_compile=False):
+    """mixed_float16 with a LossScaleOptimizer, a row whose activations
+    overflow float16 in the first batch: only the replica that holds it
+    sees an infinite gradient, yet every rank skips that step and halves
+    its scale, as one process does on the global batch."""
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        model = _mlp()
+        optimizer = keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01), initial_scale=2.0**10
+        )
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+        x, y = _data()
+        x[1] = 6e4  # overflows float16 in `hidden` (eager)
+        y[1] = 6e4  # and the scaled gradient of `out` (compiled too)
+        history = model.fit(
+            x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0
+        )
+        return dict(
+            scale=float(optimizer.dynamic_scale),
+            iterations=int(optimizer.iterations),
+            weights=_weights(model),
+            finite_loss=np.isfinite(history.history["loss"]),
+        )
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+def loss_scale_overflow_jit():
+    return loss_scale_overflow(jit_compile=True)
+
+
+# --- gradient accumulation ------------------------------------------------
+
+
+def _optimizer_state(optimizer):
+    return {
+        f"optimizer/{v.path}": np.asarray(v, "float32")
+        for v in optimizer.variables
+    }
+
+
+def accumulation():
+    """Adam(gradient_accumulation_steps=4): after 6 micro-steps (one update,
+    two micro-steps into the next) the weights and the optimizer state,
+    its gradient accumulators included, are one process's on every rank."""
+    model = _mlp()
+    optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=4)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = _data()
+    x, y = (
+        np.concatenate([x, x[: 2 * BATCH]]),
+        np.concatenate([y, y[: 2 * BATCH]]),
+    )
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0
+    )
+    return dict(
+        loss=history.history["loss"],
+        weights={**_weights(model), **_optimizer_state(optimizer)},
+    )
+
+
+FEATURES = {
+    "accumulation": accumulation,
+    "loss_scale_overflow": loss_scale_overflow,
+    "loss_scale_overflow_jit": loss_scale_overflow_jit,
+    "remat_full": remat_full,
+    "remat_keras_hub": remat_keras_hub,
+    "remat_full_jit": remat_full_jit,
+    "remat_activations": remat_activations,
+    "remat_layer": remat_layer,
+}
+# The features each distribution runs. Compiled steps cost seconds of
+# compile time each, and keras_hub seconds to build: they run under one
+# distribution each, in the slow tests.
+SLOW_UNDER = {
+    "remat_full_jit": "fsdp",
+    "remat_keras_hub": "fsdp",
+    "loss_scale_overflow_jit": "dp",
+}
+UNDER = {
+    kind: [n for n in FEATURES if n not in SLOW_UNDER]
+    for kind in ("dp", "tp", "fsdp", "2d")
+}
+# float16 compute: sums in another order differ in the last bits.
+TOLERANCES = {
+    "loss_scale_overflow": dict(rtol=1e-2, atol=1e-3),
+    "loss_scale_overflow_jit": dict(rtol=1e-2, atol=1e-3),
+}
+
+
+def _run(kind, names):
+    """Each feature of `names` under distribution `kind` (None: one
+    process): its result, or ("error", the exception's type and message,
+    its traceback)."""
+    results = {}
+    for name in names:
+        keras.distribution.set_distribution(None)
+        keras.backend.clear_session()
+        try:
+            _distribute(kind)
+            results[name] = FEATURES[name]()
+        except Exception as error:  # reported by name, the others go on
+            results[name] = (
+                "error",
+                f"{type(error).__name__}: {error}",
+                traceback.format_exc(),
+            )
+    keras.distribution.set_distribution(None)
+    return results
+
+
+_references = {}
+
+
+def _reference(name):
+    if name not in _references:
+        _references[name] = _run(None, [name])[name]
+    return _references[name]
+
+
+def _assert_equal(name, result, reference):
+    assert not isinstance(reference, tuple), reference
+    tolerance = TOLERANCES.get(name, TOL)
+    if isinstance(result, tuple):
+        raise AssertionError(f"{name}: {result[1]}\n{result[2]}")
+    for key, value in reference.items():
+        if key == "weights":
+            for path, weight in value.items():
+                np.testing.assert_allclose(
+                    result["weights"][path],
+                    weight,
+                    err_msg=f"{name}: {path}",
+                    **tolerance,
+                )
+        else:
+            np.testing.assert_allclose(
+                result[key], value, err_msg=f"{name}: {key}", **tolerance
+            )
+
+
+def _check(kind, per_rank, names=None):
+    failures = []
+    for name in names or UNDER[kind]:
+        for rank, results in enumerate(per_rank):
+            try:
+                _assert_equal(name, results[name], _reference(name))
+            except AssertionError as error:
+                failures.append(f"rank {rank}, {name} under {kind}: {error}")
+                break
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("kind", ["dp", "tp", "fsdp"])
+def test_features_on_2_processes(pool2, kind):
+    _check(kind, pool2.run(_run, kind, UNDER[kind], timeout=600))
+
+
+def test_features_on_2x2(pool4):
+    _check("2d", pool4.run(_run, "2d", UNDER["2d"], timeout=600))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dp", "fsdp"])
+def test_slow_features_on_2_processes(pool2, kind):
+    names = [n for n, k in SLOW_UNDER.items() if k == kind]
+    _check(kind, pool2.run(_run, kind, names, timeout=600), names)
