@@ -100,7 +100,11 @@ def build_parser():
         ),
     )
     plan.add_argument("--world", metavar="N", required=True, type=int)
-    plan.add_argument("--json", metavar="PATH", help="also write the plan here")
+    plan.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the plan as JSON (- : stdout)",
+    )
     plan.add_argument(
         "--step",
         choices=("fake", "real", "no"),
