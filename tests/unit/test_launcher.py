@@ -6,8 +6,10 @@ e2e/test_launch.py.
 
 import json
 import os
+import re
 import signal
 import socket
+import tempfile
 
 import pytest
 
@@ -415,3 +417,56 @@ def test_failure_summary_says_what_a_signal_means(
     ).startswith(
         "keras.distribution.initialize(): rank 1 (local rank 1) died first"
     )
+
+
+def _recorded(tmp_path, local_rank, exitcode, timestamp, message, short):
+    """A failure whose error file is `launch._record`'s: with the short
+    traceback and the time to the microsecond."""
+    failure = _failure(tmp_path, local_rank, exitcode, int(timestamp), message)
+    with open(failure.error_file) as f:
+        data = json.load(f)
+    data["message"]["extraInfo"].update(ktd_traceback=short, ktd_time=timestamp)
+    with open(failure.error_file, "w") as f:
+        json.dump(data, f)
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return ProcessFailure(
+        local_rank=local_rank,
+        pid=1000 + local_rank,
+        exitcode=exitcode,
+        error_file=failure.error_file,
+    )
+
+
+def test_failure_report_says_the_error_once(tmp_path, monkeypatch):
+    """The first failure's short traceback once (the earliest by the time
+    to the microsecond: torchrun's whole seconds tie), a line for every
+    other rank, where the whole tracebacks are, the summary last."""
+    from keras_torch_distribution._processes.failures import failure_report
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    error = "ValueError: batch_size=127 ... e.g. 126."
+    short = 'Traceback (most recent call last):\n  File "t.py"\n' + error
+    failures = {
+        0: _failure(tmp_path, 0, -signal.SIGTERM, 100),
+        1: _recorded(tmp_path, 1, 1, 100.7, error, short),
+        2: _recorded(tmp_path, 2, 1, 100.2, error, short),
+        3: _recorded(tmp_path, 3, 1, 100.9, _LOST_PEER, "..."),
+    }
+    lines = failure_report(failures).splitlines()
+    assert lines[:3] == [
+        "rank 2: " + short.splitlines()[0],
+        *short.splitlines()[1:],
+    ]
+    assert lines[3:6] == [
+        "rank 0: stopped by the launcher after rank 2 failed.",
+        "rank 1: same error.",
+        "rank 3: lost its connection to a failed rank: " + _LOST_PEER,
+    ]
+    (path,) = re.findall(r"whole traceback is in (\S+) ", lines[6])
+    assert open(path).read().count("=== rank ") == 3  # those with a record
+    assert lines[7] == failure_summary(failures)
+    assert lines[7].startswith("ktd run: rank 2 (local rank 2) failed first")
+    assert len(lines) == 8
+    # KTD_FULL_TRACEBACKS=1: the ranks printed theirs; the summary alone.
+    assert failure_report(failures, full_tracebacks=True) == lines[7]

@@ -240,12 +240,10 @@ def quiet_agent_logs(quiet=True):
 def _other(failure, first_rank, first):
     """The line for a rank that did not fail first."""
     exception = _exception(failure)
+    stopped = (-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM)
     if exception is None:
-        if failure.exitcode in (-signal.SIGTERM, -signal.SIGINT):
-            return (
-                f"stopped by the launcher ({failure.signal_name()}) after "
-                f"rank {first_rank} failed."
-            )
+        if failure.exitcode in stopped:  # 143: it handled the SIGTERM
+            return f"stopped by the launcher after rank {first_rank} failed."
         if failure.exitcode < 0:
             return (
                 f"died by signal {failure.signal_name()}. "
@@ -254,6 +252,8 @@ def _other(failure, first_rank, first):
         return f"exit code {failure.exitcode}, no Python exception on record."
     if exception == _exception(first):
         return "same error."
+    if _LOST_PEER.search(exception):
+        return f"lost its connection to a failed rank: {_cause(exception)}"
     return _cause(exception)
 
 
