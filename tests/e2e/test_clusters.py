@@ -292,6 +292,11 @@ def test_a_started_process_that_raises_ends_the_command(marker):
         "keras.distribution.initialize(): rank 1 (local rank 1) failed first, "
         "exit code 1: RuntimeError: deliberate failure on rank 1 after epoch 1."
     ), result.stderr[-4000:]
+    # The error once: rank 1's traceback, a line for rank 0, the summary.
+    assert result.stderr.count("Traceback (most recent call last)") == 1, (
+        result.stderr[-4000:]
+    )
+    assert "rank 1: Traceback (most recent call last)" in result.stderr
     assert elapsed < 180, f"took {elapsed:.0f} s"
     assert _marked_processes(marker) == []
 
