@@ -12,6 +12,7 @@ import socket
 import tempfile
 
 import pytest
+import torch
 
 from helpers import free_port
 from keras_torch_distribution._processes.failures import failure_summary
@@ -470,3 +471,23 @@ def test_failure_report_says_the_error_once(tmp_path, monkeypatch):
     assert len(lines) == 8
     # KTD_FULL_TRACEBACKS=1: the ranks printed theirs; the summary alone.
     assert failure_report(failures, full_tracebacks=True) == lines[7]
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [
+        (["-n", "gpu"], {}),
+        (["--nproc-per-node=gpu"], {}),
+        (["--nproc_per_node", "gpu"], {}),
+        (["-n", "2"], {"KTD_DEVICE": "gpu"}),
+    ],
+)
+def test_a_cuda_request_without_cuda_is_refused(
+    no_launch, monkeypatch, argv, env
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match="asks for CUDA, but CUDA is not") as e:
+        _torchrun.run([*argv, _SCRIPT])
+    assert e.value.code == 2

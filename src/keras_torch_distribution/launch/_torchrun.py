@@ -202,14 +202,11 @@ def _check_cuda(arguments):
     """Refuse a CUDA request (KTD_DEVICE=gpu/cuda, `-n gpu`) where CUDA is
     not available, naming what was found, before any rank starts."""
     import torch
+    from torch.distributed import run as torch_run
 
     from keras_torch_distribution._processes import runtime
 
-    nproc = (
-        arguments[arguments.index("--nproc-per-node") + 1]
-        if ("--nproc-per-node" in arguments)
-        else None
-    )
+    nproc = torch_run.parse_args(arguments).nproc_per_node
     asked = []
     if _env.device_request() == "cuda":
         asked.append(f"KTD_DEVICE={os.environ['KTD_DEVICE']}")
