@@ -103,7 +103,7 @@ def build_parser():
     plan.add_argument(
         "--json",
         metavar="PATH",
-        help="also write the plan as JSON (- : stdout)",
+        help="also write the plan as JSON to PATH, or - for stdout",
     )
     plan.add_argument(
         "--step",
@@ -167,9 +167,13 @@ def main(argv=None):
             return cli.report(parsed.checkpoint)
         from keras_torch_distribution.plan import _command as plan_command
 
-        status, text = plan_command.run(argv[1:])
-        print(text, file=sys.stderr if status else sys.stdout)
-        return status
+        return plan_command.plan_and_print(
+            parsed.world,
+            parsed.script,
+            parsed.args,
+            parsed.step or "auto",
+            parsed.json,
+        )
     except KeyboardInterrupt:
         print(f"{PROGRAM}: interrupted (Ctrl-C).", file=sys.stderr)
         return 130

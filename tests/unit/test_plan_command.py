@@ -30,7 +30,7 @@ def test_a_bad_world_is_named_with_the_fix(bad):
 
 def test_ktd_plan_refuses_world_zero_with_status_2(capsys):
     assert cli.main(["plan", "--world", "0", "train.py"]) == 2
-    assert "--world '0'" in capsys.readouterr().err
+    assert "--world 0 is not a number of processes" in capsys.readouterr().err
 
 
 def test_arguments():
