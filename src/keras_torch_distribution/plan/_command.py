@@ -155,23 +155,3 @@ def main(argv):
         options["world"], script, args, options["step"], options["json"]
     )
 
-
-def run(argv):
-    """Run `ktd plan`: (exit status, what to print). The plan as text
-    (written to `--json` too), or status 2 and the error naming a bad
-    argument or script. With `--json -` the JSON is printed here and the
-    text is "" (`main` prints the text to stderr instead)."""
-    from keras_torch_distribution.plan import _output
-    from keras_torch_distribution.plan import _runner
-
-    try:
-        options, script, args = parse(argv)
-        plan = make_plan(
-            options["world"], script, args, options["step"], options["json"]
-        )
-    except (_runner.PlanError, ValueError) as error:
-        return 2, str(error)
-    if options["json"] == "-":
-        print(_output.format_text(plan), file=sys.stderr)
-        return 0, ""
-    return 0, _output.format_text(plan)
