@@ -8,7 +8,9 @@ variables are sharded over 2 processes by a LayoutMap, Megatron style.
 - attention: query/key/value kernels sharded on heads, the output projection
   on its heads dim (row-parallel);
 - MLP: the first Dense column-parallel, the second row-parallel;
-- layer norms and the output layer replicated.
+- the output layer column-parallel on the vocabulary (each rank computes
+  half the logits; the loss is one process's);
+- layer norms and position embeddings replicated (small).
 
 Every sharded variable is born sharded: no rank ever holds it whole. The
 task is synthetic: continue sequences that count up modulo the vocabulary.
@@ -45,6 +47,7 @@ layout_map[r".*attention/attention_output/kernel"] = ("model", None, None)
 layout_map[r".*mlp_up/kernel"] = (None, "model")  # column-parallel
 layout_map[r".*mlp_up/bias"] = ("model",)
 layout_map[r".*mlp_down/kernel"] = ("model", None)  # row-parallel
+layout_map[r"logits/kernel"] = (None, "model")  # vocabulary-parallel output
 keras.distribution.set_distribution(
     keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch"
