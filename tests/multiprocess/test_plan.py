@@ -222,5 +222,7 @@ def _check(kind, plan, real, estimated_ranks=False):
             assert measured["gathered"] == (0, 0)
     counts = {k: v["count"] for k, v in plan["collectives_per_step"].items()}
     sizes = {k: v["bytes"] for k, v in plan["collectives_per_step"].items()}
-    assert counts == real[0]["counts"], kind
-    assert sizes == real[0]["bytes"], kind
+    # The plan always shows an all_to_all row (0 where none is issued).
+    assert set(real[0]["counts"]) <= set(counts), kind
+    assert counts == {k: real[0]["counts"].get(k, 0) for k in counts}, kind
+    assert sizes == {k: real[0]["bytes"].get(k, 0) for k in sizes}, kind
