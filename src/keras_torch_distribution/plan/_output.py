@@ -20,15 +20,7 @@ training with Adam), `left_whole`, `peak_rss_bytes`, `wall_seconds`.
 import json
 import sys
 
-
-def human(n):
-    """Bytes with a binary unit: 1.50 GiB."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
+from keras_torch_distribution._log import human_bytes
 
 
 def _ranks_text(ranks):
@@ -54,7 +46,8 @@ def format_text(plan):
             if mesh
             else ""
         )
-        + f"; {plan['parameters']:,} parameters, {human(plan['model_bytes'])}"
+        + f"; {plan['parameters']:,} parameters, "
+        + human_bytes(plan["model_bytes"])
         + (f"; optimizer {plan['optimizer']}" if plan["optimizer"] else ""),
         "",
     ]
@@ -66,17 +59,17 @@ def format_text(plan):
     for row in plan["per_rank"]:
         cells = [
             _ranks_text(row["ranks"]),
-            human(row["params_bytes"]),
-            human(row["grads_bytes"]),
-            human(row["optimizer_bytes"]),
-            human(row["total_bytes"]),
+            human_bytes(row["params_bytes"]),
+            human_bytes(row["grads_bytes"]),
+            human_bytes(row["optimizer_bytes"]),
+            human_bytes(row["total_bytes"]),
         ]
         if fsdp:
             mark = "" if row["fsdp_figure"] == "measured" else " (est.)"
             cells += [
-                human(row["fsdp_gathered_bytes"]) + mark,
-                human(row["fsdp_largest_gather_bytes"]) + mark,
-                human(row["peak_bytes"]) + mark,
+                human_bytes(row["fsdp_gathered_bytes"]) + mark,
+                human_bytes(row["fsdp_largest_gather_bytes"]) + mark,
+                human_bytes(row["peak_bytes"]) + mark,
             ]
         table.append(cells)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
@@ -90,7 +83,8 @@ def format_text(plan):
     worst = next(r for r in plan["per_rank"] if r["rank"] == plan["worst_rank"])
     if len(plan["per_rank"]) > 1:
         lines.append(
-            f"worst rank: {plan['worst_rank']} ({human(worst['peak_bytes'])})"
+            f"worst rank: {plan['worst_rank']} "
+            f"({human_bytes(worst['peak_bytes'])})"
         )
     if fsdp:
         lines.append(_fsdp_line(plan, worst))
@@ -103,25 +97,25 @@ def format_text(plan):
         )
         for kind, entry in plan["collectives_per_step"].items():
             lines.append(
-                f"  {kind:16} {entry['count']:6}  {human(entry['bytes'])}"
+                f"  {kind:16} {entry['count']:6}  {human_bytes(entry['bytes'])}"
             )
     else:
         lines.append(f"collectives: not simulated ({plan['no_step_reason']})")
     estimate = plan["accelerate_estimate"]
     lines.append(
         f"Accelerate's estimate-memory (whole model, every device): "
-        f"{human(estimate['model_bytes'])}; training with Adam "
-        f"{human(estimate['training_adam_bytes'])}"
+        f"{human_bytes(estimate['model_bytes'])}; training with Adam "
+        f"{human_bytes(estimate['training_adam_bytes'])}"
     )
     for entry in plan["left_whole"]:
         lines.append(
             f"WHOLE: {entry['path']} is whole on every rank "
-            f"({human(entry['bytes'])}); layout_map[{entry['key']!r}] = "
+            f"({human_bytes(entry['bytes'])}); layout_map[{entry['key']!r}] = "
             f"{tuple(entry['axes'])} would shard it"
         )
     lines.append(
         f"planned in {plan['wall_seconds']} s, peak RSS "
-        f"{human(plan['peak_rss_bytes'])}"
+        f"{human_bytes(plan['peak_rss_bytes'])}"
     )
     return "\n".join(lines)
 
