@@ -154,4 +154,3 @@ def main(argv):
     return plan_and_print(
         options["world"], script, args, options["step"], options["json"]
     )
-
