@@ -2,7 +2,7 @@
 what (`_patch_table()`; the fast ops, `_fast_ops`; Keras 3.16's own
 distribution turned off, `_native_distribution_off`).
 
-Every owner comes from `_keras.py`; `_install` applies the table.
+Every owner comes from `_keras/`; `_install` applies the table.
 docs/architecture.md lists it (tests/unit/test_docs.py checks both ways).
 """
 

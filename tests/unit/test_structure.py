@@ -6,7 +6,7 @@ its sub-packages. Inside a sub-package the order is the one its
 package's `__init__` sits above its modules. A module imports only modules
 below it (at module level or inside functions), so there is no import
 circle. `docs/architecture.md`'s layer table lists LAYERS, checked here.
-Only `_keras.py` imports `keras.src`.
+Only the `_keras` package (the seam) imports `keras.src`.
 """
 
 import ast
@@ -25,7 +25,7 @@ ARCHITECTURE = os.path.join(
 
 LAYERS = [
     "_op_counts",  # counting dispatched ops: torch only (tests, benchmarks)
-    "_keras",  # the seam: the only importer of keras.src
+    "_keras",  # the seam: the only importer of keras.src (a package)
     "_env",  # KTD_* settings
     "_log",
     "_processes",  # this process joins its job: launchers, process group
@@ -136,7 +136,7 @@ def _package_imports(module, path, known):
 def _keras_src_importers(package_dir):
     offenders = []
     for module, path in sorted(_modules(package_dir).items()):
-        if module == "_keras":
+        if module == "_keras" or module.startswith("_keras."):
             continue
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
             names = []
@@ -186,8 +186,8 @@ def test_every_module_imports_only_layers_below_it():
 def test_only_the_seam_imports_keras_src():
     offenders = _keras_src_importers(PACKAGE_DIR)
     assert offenders == [], (
-        f"{offenders} import keras.src; only _keras.py may reach Keras "
-        "internals. Add an accessor to _keras.py and use it."
+        f"{offenders} import keras.src; only the _keras package may reach "
+        "Keras internals. Add an accessor to _keras/ and use it."
     )
 
 
@@ -301,7 +301,7 @@ def private_keras_reads(package_dir, private_names):
     `_name` one of Keras' private names), `self._name` aside."""
     found = []
     for module, path in sorted(_modules(package_dir).items()):
-        if module == "_keras":
+        if module == "_keras" or module.startswith("_keras."):
             continue
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
             if (
@@ -319,7 +319,7 @@ def test_only_the_seam_reads_private_attributes_of_keras_objects():
     offenders = private_keras_reads(PACKAGE_DIR, _keras_private_names())
     assert offenders == [], (
         f"{offenders} reach into private attributes of Keras objects; only "
-        "_keras.py may. Add an accessor to _keras.py and use it."
+        "the _keras package may. Add an accessor to _keras/ and use it."
     )
 
 
