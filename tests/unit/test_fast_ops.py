@@ -203,7 +203,7 @@ def test_einsum_dense_runs_as_one_matmul_with_keras_numbers():
 
 
 @pytest.mark.parametrize("exponent", [2, 2.0])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_a_square_equals_keras(exponent, dtype):
     original = keras_own(_keras.torch_numpy_module, "power")
     rng = np.random.default_rng(0)
@@ -235,6 +235,8 @@ def test_power_of_other_operands_is_keras_own():
         (torch.rand(3) + 0.5, -1),
         (torch.rand(3) + 0.5, 3),
         (torch.arange(4), 2),  # an integer tensor: Keras' dtype rules
+        # float64: Keras 3.16 squares it in float32, 3.15 in float64.
+        (torch.rand(3, dtype=torch.float64), 2),
         (torch.rand(3), torch.rand(3)),
         (torch.rand(3), True),
         (2, torch.rand(3)),

@@ -32,9 +32,10 @@ is 0 (an `eq`, a `where` and a fill per call) and raises `x` to `2 - 1`.
 `torch.pow(x, 2)` takes the number as a number, as `x ** 2` in torch's
 own recipes: the same dtype (a number never widens a floating tensor,
 nor does Keras' 0-dim tensor), the same values (a square is exact in
-both) and backward `2 * x * grad`. Other exponents stay Keras': torch's
-power by a number runs them as `sqrt`, `reciprocal` or `x * x * x`, a
-rounding away from Keras' numbers.
+both) and backward `2 * x * grad`. float64 and other exponents stay
+Keras' (Keras 3.16 squares float64 in float32; torch's power by a number
+runs other exponents as `sqrt`, `reciprocal` or `x * x * x`, a rounding
+away from Keras' numbers).
 """
 
 import functools
@@ -163,7 +164,12 @@ def power(original, x1, x2):
         type(x2) in (int, float)
         and x2 == 2
         and isinstance(x1, torch.Tensor)
-        and x1.is_floating_point()
+        and x1.dtype in _SQUARED_AS_IS
     ):
         return torch.pow(x1, 2)
     return original(x1, x2)
+
+
+# The dtypes whose square keeps the dtype in Keras 3.15 and 3.16 alike
+# (3.16 computes a float64 tensor's power of a Python number in float32).
+_SQUARED_AS_IS = (torch.float32, torch.float16, torch.bfloat16)
