@@ -188,9 +188,8 @@ def human_bytes(n):
     return f"{n} B"
 
 
-def ranks_text(ranks):
-    """Ranks as ranges: [0, 1, 2, 5] -> "ranks 0-2,5"; [3] -> "rank 3"."""
-    ranks = sorted(ranks)
+def rank_ranges(ranks):
+    """Ordered ranks as ranges: [0, 1, 2, 5] -> "0-2,5"."""
     parts, start = [], None
     for i, r in enumerate(ranks):
         if start is None:
@@ -198,7 +197,13 @@ def ranks_text(ranks):
         if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
             parts.append(str(start) if start == r else f"{start}-{r}")
             start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+    return ",".join(parts)
+
+
+def ranks_text(ranks):
+    """Ranks as ranges: [0, 1, 2, 5] -> "ranks 0-2,5"; [3] -> "rank 3"."""
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + rank_ranges(ranks)
 
 
 def grouped(values_by_rank):

@@ -21,18 +21,7 @@ import json
 import sys
 
 from keras_torch_distribution._log import human_bytes
-
-
-def _ranks_text(ranks):
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(parts)
+from keras_torch_distribution._log import rank_ranges
 
 
 def format_text(plan):
@@ -58,7 +47,7 @@ def format_text(plan):
     table = [header]
     for row in plan["per_rank"]:
         cells = [
-            _ranks_text(row["ranks"]),
+            rank_ranges(row["ranks"]),
             human_bytes(row["params_bytes"]),
             human_bytes(row["grads_bytes"]),
             human_bytes(row["optimizer_bytes"]),
