@@ -47,6 +47,25 @@ def max_diff(a, b):
     )
 
 
+def job_env(keep_backend=False, **extra):
+    """The environment of a job a test launches (`ktd run`, torchrun): one
+    thread per process, CPU, no rank or rendezvous variables of an outer
+    launcher; KERAS_BACKEND left out unless `keep_backend`."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", KTD_DEVICE="cpu")
+    env.update(extra)
+    if not keep_backend:
+        env.pop("KERAS_BACKEND", None)
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        env.pop(key, None)
+    return env
+
+
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

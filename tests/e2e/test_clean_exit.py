@@ -20,6 +20,7 @@ import pytest
 from helpers import ROOT
 from helpers import TESTS
 from helpers import finish
+from helpers import job_env
 
 SCRIPT = os.path.join(TESTS, "scripts", "train_save_exit.py")
 # KTD_EXIT_RUNS=N repeats the repeated-runs test N times (default 8: about
@@ -29,21 +30,7 @@ RUNS = int(os.environ.get("KTD_EXIT_RUNS", "8"))
 
 
 def _run_job(directory):
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        KTD_DEVICE="cpu",
-        PYTHONFAULTHANDLER="1",
-    )
-    env.pop("KERAS_BACKEND", None)
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        env.pop(key, None)
+    env = job_env(PYTHONFAULTHANDLER="1")
     process = subprocess.Popen(
         [
             sys.executable,

@@ -21,20 +21,11 @@ import pytest
 from helpers import ROOT
 from helpers import finish as _finish
 from helpers import free_port
+from helpers import job_env
 
 
 def _env(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", KTD_DEVICE="cpu", **extra)
-    env.pop("KERAS_BACKEND", None)
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        env.pop(key, None)
-    return env
+    return job_env(**extra)
 
 
 def _start(args, env):

@@ -22,6 +22,7 @@ import torch
 
 from helpers import ROOT
 from helpers import finish_all
+from helpers import job_env
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "user_mistakes.py")
 # Each mistake, and the words of its fix the last line must hold.
@@ -36,17 +37,7 @@ MISTAKES = {
 
 
 def _env(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", KTD_DEVICE="cpu")
-    env.update(extra)
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ):
-        env.pop(key, None)
-    return env
+    return job_env(keep_backend=True, **extra)
 
 
 def _ktd(*args, cwd, **env):
