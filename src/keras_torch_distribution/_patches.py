@@ -147,6 +147,13 @@ def _patch_table():
         # Rematerialization: the recompute replays the forward's layer calls
         # in the forward's Keras call context (inner calls, not outermost).
         Patch(k.torch_core_module, "remat", remat.remat, wrap=True),
+        # RematScope("larger_than") decides on the global batch's output.
+        Patch(
+            k.Operation,
+            "rematerialized_call",
+            remat.rematerialized_call,
+            wrap=True,
+        ),
         # No Keras name scope while dynamo traces a compiled block.
         Patch(
             k.Layer,

@@ -60,9 +60,13 @@ def _layers():
     ]
 
 
-def _mlp(remat_mode=None):
+def _mlp(remat_mode=None, **remat_options):
     keras.utils.set_random_seed(0)
-    scope = keras.RematScope(mode=remat_mode) if remat_mode else None
+    scope = (
+        keras.RematScope(mode=remat_mode, **remat_options)
+        if remat_mode
+        else None
+    )
     if scope is not None:
         scope.__enter__()
     try:
@@ -76,11 +80,11 @@ def _mlp(remat_mode=None):
             scope.__exit__(None, None, None)
 
 
-def _data():
+def _data(rows=ROWS):
     rng = np.random.default_rng(0)
     return (
-        rng.normal(size=(ROWS, 6)).astype("float32"),
-        rng.normal(size=(ROWS, 4)).astype("float32"),
+        rng.normal(size=(rows, 6)).astype("float32"),
+        rng.normal(size=(rows, 4)).astype("float32"),
     )
 
 
@@ -88,13 +92,15 @@ def _weights(model):
     return {v.path: np.asarray(v, "float32") for v in model.weights}
 
 
-def _fit(model, optimizer=None, jit_compile=False, epochs=1, **fit_kwargs):
+def _fit(
+    model, optimizer=None, jit_compile=False, epochs=1, rows=ROWS, **fit_kwargs
+):
     model.compile(
         optimizer=optimizer or keras.optimizers.Adam(0.01),
         loss="mse",
         jit_compile=jit_compile,
     )
-    x, y = _data()
+    x, y = _data(rows)
     history = model.fit(
         x,
         y,
@@ -135,6 +141,43 @@ def remat_full_jit():
 
 def remat_activations():
     return _fit(_mlp("activations"))
+
+
+def _counting_remat(function):
+    """`function()`'s result, with `rematerialized`: how many calls torch's
+    checkpoint got (the layer calls Keras rematerialized, their recomputes'
+    nested ones included)."""
+    real = torch.utils.checkpoint.checkpoint
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    torch.utils.checkpoint.checkpoint = counted
+    try:
+        result = function()
+    finally:
+        torch.utils.checkpoint.checkpoint = real
+    return dict(result, rematerialized=len(calls))
+
+
+def remat_larger_than():
+    """Outputs of more than 20 values: `hidden`'s and `proj`'s (8 rows x 8)
+    and the model's and `out`'s (8 x 4). The last batch has 5 rows, so the
+    replicas hold 3 and 2: the same layers are rematerialized as in one
+    process (the global batch's output size decides), on every rank."""
+    return _counting_remat(
+        lambda: _fit(
+            _mlp("larger_than", output_size_threshold=20), rows=ROWS - 3
+        )
+    )
+
+
+def remat_list_of_layers():
+    return _counting_remat(
+        lambda: _fit(_mlp("list_of_layers", layer_names=["hidden", "out"]))
+    )
 
 
 def remat_layer():
@@ -256,6 +299,58 @@ def accumulation():
     )
 
 
+def _accumulating(kind, steps):
+    """A fresh MLP and Adam(gradient_accumulation_steps=steps) under
+    distribution `kind` (None: one process), compiled."""
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    _distribute(kind)
+    model = _mlp()
+    optimizer = keras.optimizers.Adam(0.01, gradient_accumulation_steps=steps)
+    model.compile(optimizer=optimizer, loss="mse")
+    return model, optimizer
+
+
+def _state(model, optimizer):
+    return {**_weights(model), **_optimizer_state(optimizer)}
+
+
+RESUME_CASES = ((4, 6), (3, 5))  # (accumulation steps, micro-steps saved)
+RESUME_STEPS = 10
+
+
+def accumulation_resumed(directory, kind):
+    """For each (steps, saved) of RESUME_CASES: RESUME_STEPS micro-steps
+    uninterrupted; then a run of `saved` micro-steps (mid-accumulation)
+    saved with `checkpoint.save`, loaded into a fresh model and optimizer
+    (built by the load), trained on the batches left. Per case: (the
+    uninterrupted state, the saved, the loaded, the resumed)."""
+    from keras_torch_distribution import checkpoint
+
+    x, y = _data(RESUME_STEPS * BATCH)
+    fit = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    results = []
+    for steps, saved_at in RESUME_CASES:
+        model, optimizer = _accumulating(kind, steps)
+        model.fit(x, y, **fit)
+        uninterrupted = _state(model, optimizer)
+
+        model, optimizer = _accumulating(kind, steps)
+        split = saved_at * BATCH
+        model.fit(x[:split], y[:split], **fit)
+        path = os.path.join(directory, f"{kind}-{steps}")
+        checkpoint.save(model, path)
+        saved = _state(model, optimizer)
+
+        model, optimizer = _accumulating(kind, steps)
+        checkpoint.load(model, path)
+        loaded = _state(model, optimizer)
+        model.fit(x[split:], y[split:], **fit)
+        results.append((uninterrupted, saved, loaded, _state(model, optimizer)))
+    keras.distribution.set_distribution(None)
+    return results
+
+
 # --- compile and fit options ----------------------------------------------
 
 
@@ -317,6 +412,12 @@ def validation():
         validation_data=(x[:12], y[:12]),
         validation_freq=2,
     )
+
+
+def uneven_last_batch():
+    """29 rows in batches of 8: the last batch's 5 rows split 3 and 2, each
+    replica's gradient weighted by its rows (FSDP's reduce-scatter too)."""
+    return _fit_logs(_compiled(), data=_data(ROWS - 3))
 
 
 def initial_epoch():
@@ -438,6 +539,7 @@ FEATURES = {
     "sample_weight": sample_weight,
     "validation": validation,
     "initial_epoch": initial_epoch,
+    "uneven_last_batch": uneven_last_batch,
     "outputs_losses_add_loss": outputs_losses_add_loss,
     "run_eagerly": run_eagerly,
     "clipnorm": clipnorm,
@@ -456,6 +558,8 @@ FEATURES = {
     "remat_keras_hub": remat_keras_hub,
     "remat_full_jit": remat_full_jit,
     "remat_activations": remat_activations,
+    "remat_larger_than": remat_larger_than,
+    "remat_list_of_layers": remat_list_of_layers,
     "remat_layer": remat_layer,
 }
 # The features each distribution runs. Compiled steps cost seconds of
@@ -558,3 +662,43 @@ def test_features_on_2x2(pool4):
 def test_slow_features_on_2_processes(pool2, kind):
     names = [n for n, k in SLOW_UNDER.items() if k == kind]
     _check(kind, pool2.run(_run, kind, names, timeout=600), names)
+
+
+def test_a_checkpoint_mid_accumulation_resumes_to_the_uninterrupted_run(
+    pool2, tmp_path
+):
+    """Saved 6 micro-steps into Adam(gradient_accumulation_steps=4) (and 5
+    into 3): the partial sums and the iteration count are in the
+    checkpoint, and the resumed run ends with the uninterrupted run's
+    weights and optimizer state, exactly, under DataParallel and FSDP;
+    both equal one process's."""
+    from helpers import assert_same_values
+
+    one = accumulation_resumed(str(tmp_path / "one"), None)
+    for kind in ("dp", "fsdp"):
+        per_rank = pool2.run(
+            accumulation_resumed, str(tmp_path), kind, timeout=300
+        )
+        for rank, cases in enumerate(per_rank):
+            for (steps, saved_at), case, reference in zip(
+                RESUME_CASES, cases, one
+            ):
+                uninterrupted, saved, loaded, resumed = case
+                where = f"{kind}, rank {rank}, accumulation {steps}"
+                assert saved["optimizer/adam/iteration"] == saved_at, where
+                assert any(
+                    np.any(v != 0)
+                    for k, v in saved.items()
+                    if k.endswith("gradient_accumulator")
+                ), f"{where}: nothing accumulated at the save"
+                assert_same_values(loaded, saved)
+                assert_same_values(resumed, uninterrupted)
+                for got, want in zip(case, reference):
+                    assert sorted(got) == sorted(want), where
+                    for key in want:
+                        np.testing.assert_allclose(
+                            got[key],
+                            want[key],
+                            err_msg=f"{where}: {key}",
+                            **TOL,
+                        )

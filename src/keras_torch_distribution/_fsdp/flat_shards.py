@@ -258,6 +258,7 @@ def reduce_scatter(
     dtype: torch.dtype,
     device: torch.device,
     shard_shapes: Sequence[Sequence[int]],
+    uniform: bool = True,
 ) -> list[torch.Tensor]:
     """This rank's shards of the sum over `group` of every rank's `grads`
     (whole gradients in `layout`'s order; None: zeros), each rank's first
@@ -265,11 +266,13 @@ def reduce_scatter(
     every rank.
 
     One gradient sharded on dim 0 without padding is already in rank-major
-    order: it is the collective's input as it is (no copy of a whole
-    gradient: 250 MiB for a 32000-word output projection of width 2048),
-    and the sum is scaled instead (the same for 1 / replicas of a power of
-    two; otherwise it may differ in the last bit)."""
-    if _in_rank_order(layout, grads, dtype):
+    order: where every rank's `scale` is the same (`uniform`), it is the
+    collective's input as it is (no copy of a whole gradient: 250 MiB for a
+    32000-word output projection of width 2048), and the sum is scaled
+    instead (the same for 1 / replicas of a power of two; otherwise it may
+    differ in the last bit). Ranks whose scales differ (the rows of a last,
+    uneven batch) scale their own gradient before the sum."""
+    if uniform and _in_rank_order(layout, grads, dtype):
         out = torch.empty(layout.per_rank, dtype=dtype, device=device)
         _reduce_scatter(out, grads[0].reshape(-1), group, layout.ranks)
         if scale != 1.0:

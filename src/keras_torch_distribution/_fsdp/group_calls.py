@@ -20,9 +20,10 @@ class _GroupGather(torch.autograd.Function):
     flat buffer, and hands each its variable's own layout (`_laid_out_as`)."""
 
     @staticmethod
-    def forward(ctx, source, flat, factor, *stored):
+    def forward(ctx, source, flat, factor, uniform, *stored):
         ctx.source = source
         ctx.factor = factor
+        ctx.uniform = uniform
         ctx.set_materialize_grads(False)
         return tuple(flat.take())
 
@@ -42,9 +43,10 @@ class _GroupGather(torch.autograd.Function):
             bucket.dtype,
             bucket.device,
             bucket.shard_shapes,
+            ctx.uniform,
         )
-        needs = ctx.needs_input_grad[3:]
-        return (None, None, None) + tuple(
+        needs = ctx.needs_input_grad[4:]
+        return (None, None, None, None) + tuple(
             _laid_out_as(g, stored) if need else None
             for g, stored, need in zip(shard_grads, source.stored, needs)
         )
@@ -196,8 +198,12 @@ class _GroupCall:
         source = _BucketSource(bucket, stored, flat.dtype)
         self.sources[b] = source
         if torch.is_grad_enabled() and any(s.requires_grad for s in stored):
-            factor = replicas.batch_scale() / bucket.ranks
-            outputs = _GroupGather.apply(source, flat, factor, *stored)
+            weight = replicas.batch_scale()
+            factor = weight / bucket.ranks
+            # 1.0 on every rank unless the batch is split unevenly (a last
+            # partial batch), where each rank has its own.
+            uniform = weight == 1.0
+            outputs = _GroupGather.apply(source, flat, factor, uniform, *stored)
             if bucket.lookup_eligible:
                 self.lookups[id(outputs[0])] = (
                     outputs[0],

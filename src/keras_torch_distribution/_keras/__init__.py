@@ -404,6 +404,12 @@ def current_call_context():
     return global_state.get_global_attribute("current_call_ctx")
 
 
+def remat_mode(operation):
+    """The `RematScope` an operation (a layer) was created in: its `mode`,
+    `output_size_threshold` and `layer_names`; None outside any."""
+    return operation._remat_mode
+
+
 @contextlib.contextmanager
 def call_context(context):
     """Within the block, `context` is Keras' current layer-call context

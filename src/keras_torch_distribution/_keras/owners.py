@@ -12,6 +12,7 @@ from keras.src.distribution import distribution_lib as keras_distribution_lib
 from keras.src.layers import layer as keras_layer
 from keras.src.layers.normalization import batch_normalization
 from keras.src.models import model as keras_model
+from keras.src.ops import operation as keras_operation
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers import loss_scale_optimizer
 from keras.src.trainers import epoch_iterator
@@ -32,6 +33,7 @@ __all__ = [
     "torch_random_module",
     "BatchNormalization",
     "Layer",
+    "Operation",
     "Model",
     "BaseOptimizer",
     "LossScaleOptimizer",
@@ -54,6 +56,7 @@ Distribution = keras_distribution_lib.Distribution
 torch_random_module = torch_random
 BatchNormalization = batch_normalization.BatchNormalization
 Layer = keras_layer.Layer
+Operation = keras_operation.Operation
 Model = keras_model.Model
 BaseOptimizer = base_optimizer.BaseOptimizer
 LossScaleOptimizer = loss_scale_optimizer.LossScaleOptimizer

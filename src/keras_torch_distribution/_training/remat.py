@@ -20,9 +20,25 @@ activation checkpointing: a group's gather is redone (one flat all-gather,
 the same on every rank, in autograd's order) and lives until backward of
 the recomputed segment is done with it; the forward keeps no gathered
 weight for it.
+
+`RematScope(mode="larger_than")` decides, layer call by layer call, on the
+size of the layer's output. Under a batch axis each replica computes on its
+rows, so Keras would compare the replica's output (a fraction of one
+process's) with `output_size_threshold`, and ranks holding different row
+counts (an uneven last batch) would decide differently: under FSDP one rank
+would then gather a group again in its recompute and the other not, and
+the job would hang. The rule here: the size is that of the global batch's
+output (a dim 0 of this replica's rows counts as the global rows), so the
+layers rematerialized are one process's (and JAX's, whose shapes are
+global), the same on every rank.
 """
 
+import math
+
+import keras
+
 from keras_torch_distribution import _keras
+from keras_torch_distribution._batch import adapter
 
 
 def remat(original, f):
@@ -39,3 +55,32 @@ def remat(original, f):
         return original(replay)(*args, **kwargs)
 
     return wrapped
+
+
+def rematerialized_call(original, operation, fn, *args, **kwargs):
+    """Keras' `Operation.rematerialized_call`: under `RematScope(mode=
+    "larger_than")`, `fn` rematerialized when the output the global batch
+    would give is larger than the threshold (not this replica's rows)."""
+    mode = _keras.remat_mode(operation)
+    window = adapter.batch_rows()
+    if mode is None or mode.mode != "larger_than" or window is None:
+        return original(operation, fn, *args, **kwargs)
+    spec = operation.compute_output_spec(*args, **kwargs)
+    size = sum(
+        _global_size(x, window)
+        for x in keras.tree.flatten(spec)
+        if isinstance(x, keras.KerasTensor)
+    )
+    if size > mode.output_size_threshold:
+        return keras.remat(fn)
+    return fn
+
+
+def _global_size(spec, window):
+    """The number of values of output `spec` for the global batch: a dim 0
+    of this replica's rows counts as the global batch's rows."""
+    global_rows, _, rows = window
+    shape = [d or 1 for d in spec.shape]
+    if shape and shape[0] == rows:
+        shape[0] = global_rows
+    return math.prod(shape)
