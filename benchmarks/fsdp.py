@@ -263,6 +263,48 @@ def _keras_layout_map(keras, mesh, model_kind):
     return layout_map
 
 
+def llama_distribution(keras, keras_hub, devices):
+    """FSDP for the keras_hub Llama: a (world, 1) ("batch", "model") mesh
+    under keras_hub's own layout map (its kernels sharded on the batch
+    axis)."""
+    mesh = keras.distribution.DeviceMesh(
+        (len(devices), 1), ["batch", "model"], devices
+    )
+    return keras.distribution.ModelParallel(
+        layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
+        batch_dim_name="batch",
+    )
+
+
+def keras_step(keras, model, x, y, replica, replicas):
+    """(Keras' per-step function, the batch it takes): one short fit on the
+    global batch (each replica takes its rows) builds the optimizer and
+    installs the step function; the batch is this replica's rows."""
+    import torch
+
+    model.fit(x, y, batch_size=len(y), epochs=1, steps_per_epoch=1, verbose=0)
+    model.make_train_function()
+    batch = [
+        (
+            keras.tree.map_structure(
+                lambda a: torch.as_tensor(_rows(a, replica, replicas)), x
+            ),
+            torch.as_tensor(_rows(y, replica, replicas)),
+        )
+    ]
+    return model.train_function, batch
+
+
+def fully_shard_llama(model, dp_mesh):
+    """FSDP2 on the torch Llama: `fully_shard` on each decoder block, then
+    on the root (the embedding, final norm and output projection)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
 def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
     import keras
     import torch
@@ -279,13 +321,7 @@ def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
         import keras_hub
 
         replicas, replica = world, rank
-        mesh = keras.distribution.DeviceMesh(
-            (world, 1), ["batch", "model"], devices
-        )
-        distribution = keras.distribution.ModelParallel(
-            layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh),
-            batch_dim_name="batch",
-        )
+        distribution = llama_distribution(keras, keras_hub, devices)
     elif model_kind == "2x2":
         replicas = 2
         mesh = keras.distribution.DeviceMesh(
@@ -320,19 +356,7 @@ def _keras_worker(model_kind, phase, steps, warmup, memory_steps):
         else:
             model = compile_benchmark._keras_mlp(keras)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    # One short fit on the global batch (each replica takes its rows)
-    # builds the optimizer and installs the step function.
-    model.fit(x, y, batch_size=len(y), epochs=1, steps_per_epoch=1, verbose=0)
-    model.make_train_function()
-    function = model.train_function
-    batch = [
-        (
-            keras.tree.map_structure(
-                lambda a: torch.as_tensor(_rows(a, replica, replicas)), x
-            ),
-            torch.as_tensor(_rows(y, replica, replicas)),
-        )
-    ]
+    function, batch = keras_step(keras, model, x, y, replica, replicas)
     result = _measure(
         lambda: function(batch),
         dist.barrier,
@@ -408,13 +432,12 @@ def _torch_worker(model_kind, phase, steps, warmup, memory_steps):
         replicas, replica = world, rank
         dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     if model_kind == "llama":
-        for block in model.blocks:
-            fully_shard(block, mesh=dp_mesh)
+        fully_shard_llama(model, dp_mesh)
     else:
         for module in model.modules():
             if isinstance(module, nn.Linear):
                 fully_shard(module, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = (
         torch.as_tensor(_rows(a, replica, replicas))
