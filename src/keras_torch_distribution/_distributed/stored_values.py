@@ -231,8 +231,9 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
         if source is None:
             tensor_slice = file.get_slice(key)
             shape = tuple(int(n) for n in tensor_slice.get_shape())
-            # An empty slice reads nothing and gives numpy's dtype.
-            empty = tensor_slice[tuple(slice(0, 0) for _ in shape)]
+            # Rows 0:0 read nothing and give numpy's dtype (an empty slice
+            # of the last dim too reads the whole tensor: safetensors 0.8).
+            empty = tensor_slice[0:0]
             source = (shape, np.dtype(empty.dtype))
         self._source = source
         self._steps = tuple(steps)
