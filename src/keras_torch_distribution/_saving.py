@@ -181,6 +181,73 @@ def whole_file_in_memory(original, model):
     return original(model)
 
 
+class ShardedPorts:
+    """How many keras_hub `SafetensorLoader.port_weight` calls into a
+    sharded variable are in progress in this process."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.depth = 0
+
+
+sharded_ports = ShardedPorts()
+
+
+def port_weight(original, loader, keras_variable, hf_weight_key, hook_fn=None):
+    """keras_hub `SafetensorLoader.port_weight` (keras_hub is a library on
+    Keras), which reads a Hugging Face tensor whole, transforms it with
+    `hook_fn` and assigns it: into a sharded variable, the tensor is
+    handed to `hook_fn` unread (a `stored_values.TensorFileValue`, through
+    the file `loader_file` gave the loader), so that the transposes,
+    reshapes and casts keras_hub's converters apply are recorded and
+    `assign` reads only this rank's block of the stored tensor. Into any
+    other variable, keras_hub's own."""
+    if not born_sharded.is_sharded(keras_variable):
+        return original(loader, keras_variable, hf_weight_key, hook_fn)
+    sharded_ports.depth += 1
+    try:
+        return original(loader, keras_variable, hf_weight_key, hook_fn)
+    finally:
+        sharded_ports.depth -= 1
+
+
+def loader_file(original, loader, context):
+    """keras_hub `SafetensorLoader.enter_context` (contextlib's, which the
+    loader keeps each safetensors file it opens with, for a library on
+    Keras): while sharded variables exist, a safetensors file comes back
+    as a `SliceReadingFile`: its `get_tensor` hands the tensor out unread
+    while `port_weight` ports it into a sharded variable."""
+    opened = original(loader, context)
+    if (
+        born_sharded.has_sharded_variables()
+        and hasattr(opened, "get_slice")
+        and hasattr(opened, "get_tensor")
+    ):
+        return SliceReadingFile(opened)
+    return opened
+
+
+class SliceReadingFile:
+    """A safetensors file (`safe_open(path, framework="np")`) a keras_hub
+    loader keeps open. `get_tensor(key)` reads the tensor whole, as the
+    file does, except while `port_weight` ports into a sharded variable:
+    then it hands it out unread (`stored_values.tensor_file_value`).
+    Everything else is the file's own."""
+
+    def __init__(self, file):
+        self._file = file
+
+    def get_tensor(self, key):
+        if sharded_ports.depth:
+            return stored_values.tensor_file_value(self._file, key)
+        return self._file.get_tensor(key)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
 def store_close(original, store):
     """Keras weight store `close`: once rank 0's file is complete, every
     rank goes on. Collective for stores opened for writing at a path.

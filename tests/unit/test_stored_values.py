@@ -79,3 +79,118 @@ def test_a_closed_file_is_opened_again_or_the_error_says_why(dataset):
     np.testing.assert_array_equal(np.asarray(kept), WHOLE)
     with pytest.raises(RuntimeError, match="'/x' was closed before"):
         in_memory.read_block(((0, 1), (0, 8)))
+
+
+# -- a tensor of a safetensors file, transposed and reshaped unread -------
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+HF = np.arange(8 * 12, dtype="float32").reshape(8, 12)
+
+
+@pytest.fixture
+def tensor_file(tmp_path):
+    from safetensors import safe_open
+
+    path = str(tmp_path / "model.safetensors")
+    safetensors_numpy.save_file({"w": HF, "s": np.array(3.0, "float32")}, path)
+    with safe_open(path, framework="np") as f:
+        yield f
+
+
+def _chains(value, whole):
+    """(transformed value, the same numpy ops on the whole): the ones
+    keras_hub's converters apply (Llama / Qwen: `np.reshape(np.transpose(x),
+    shape)`; Gemma: `np.transpose(np.reshape(x, ...), axes)`; Mistral:
+    `.astype`), and longer ones."""
+    yield value, whole
+    yield np.transpose(value, axes=(1, 0)), np.transpose(whole, axes=(1, 0))
+    yield (
+        np.reshape(np.transpose(value), [12, 2, 4]),
+        np.reshape(np.transpose(whole), [12, 2, 4]),
+    )
+    yield (
+        np.transpose(np.reshape(value, (2, 4, 12)), axes=(0, 2, 1)),
+        np.transpose(np.reshape(whole, (2, 4, 12)), axes=(0, 2, 1)),
+    )
+    yield (
+        np.transpose(np.reshape(value, (2, 4, 12)), axes=(1, 2, 0)),
+        np.transpose(np.reshape(whole, (2, 4, 12)), axes=(1, 2, 0)),
+    )
+    yield (
+        np.reshape(value.T.astype(np.float16), (3, 4, -1)).transpose(2, 0, 1),
+        np.reshape(whole.T.astype(np.float16), (3, 4, -1)).transpose(2, 0, 1),
+    )
+    yield value.reshape(4, 24).reshape(96), whole.reshape(96)
+    yield value.reshape(12, 8), whole.reshape(12, 8)  # groups across dims
+
+
+def _boxes(shape, rng, count=12):
+    for _ in range(count):
+        box = []
+        for n in shape:
+            lo = int(rng.integers(0, n))
+            box.append((lo, int(rng.integers(lo + 1, n + 1))))
+        yield tuple(box)
+
+
+def test_blocks_of_transposed_and_reshaped_tensors_equal_numpys(tensor_file):
+    rng = np.random.default_rng(0)
+    value = stored_values.tensor_file_value(tensor_file, "w")
+    assert isinstance(value, stored_values.TensorFileValue)
+    assert stored_values.is_stored_value(value)
+    for lazy, expected in _chains(value, HF):
+        assert lazy.shape == expected.shape and lazy.dtype == expected.dtype
+        for box in _boxes(expected.shape, rng):
+            stored_values.reads.clear()
+            block = lazy.read_block(box)
+            want = expected[tuple(slice(lo, hi) for lo, hi in box)]
+            np.testing.assert_array_equal(block.numpy(), want, err_msg=str(box))
+            assert stored_values.reads.bytes <= HF.nbytes
+        into = torch.empty(expected.shape, dtype=torch.float64)
+        lazy.read_block(tuple((0, n) for n in expected.shape), into=into)
+        np.testing.assert_array_equal(into.numpy(), expected)
+        assert lazy._whole is None  # none of this read the whole tensor
+
+
+def test_a_block_is_read_alone_where_the_reshape_keeps_it_a_box(tensor_file):
+    value = stored_values.tensor_file_value(tensor_file, "w")
+    # Llama's query kernel: (heads * head_dim, hidden) -> (hidden, heads,
+    # head_dim); heads sharded, head_dim whole: exactly the block is read.
+    query = np.reshape(np.transpose(value), (12, 2, 4))
+    stored_values.reads.clear()
+    query.read_block(((0, 12), (1, 2), (0, 4)))
+    assert stored_values.reads.bytes == 12 * 4 * 4
+    # head_dim sharded: every head's rows (the smallest box holding them).
+    stored_values.reads.clear()
+    block = query.read_block(((0, 12), (0, 2), (2, 4)))
+    assert stored_values.reads.bytes == 12 * 8 * 4
+    expected = np.reshape(HF.T, (12, 2, 4))[:, :, 2:4]
+    np.testing.assert_array_equal(block.numpy(), expected)
+
+
+def test_other_uses_read_the_whole_tensor_once_and_say_why(tensor_file):
+    from keras_torch_distribution import _log
+
+    value = np.transpose(stored_values.tensor_file_value(tensor_file, "w"))
+    stored_values.reads.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        said = []
+        patch.setattr(_log, "warn_once", lambda *a: said.append(a))
+        np.testing.assert_array_equal(value * 2, HF.T * 2)
+        np.testing.assert_array_equal(np.split(value, 2)[1], HF.T[6:])
+        np.testing.assert_array_equal(value[3], HF.T[3])
+    assert stored_values.reads.bytes == HF.nbytes  # once, said once
+    assert [a[2] for a in said] == ["np.multiply"], said
+    assert "reads it whole on every rank" in said[0][1]
+    # A 0-d tensor is read at once.
+    assert stored_values.tensor_file_value(tensor_file, "s") == 3.0
+
+
+def test_reshape_and_transpose_arguments_are_numpys(tensor_file):
+    value = stored_values.tensor_file_value(tensor_file, "w")
+    with pytest.raises(ValueError, match="cannot reshape array of size 96"):
+        value.reshape(5, -1)
+    with pytest.raises(ValueError, match="axes don't match array"):
+        np.transpose(value, (0, 0))
+    assert np.transpose(value, (-1, 0)).shape == (12, 8)
+    assert value.reshape((-1,)).shape == (96,)

@@ -42,6 +42,8 @@ __all__ = [
     "EpochIterator",
     "CallbackList",
     "keras_file_utils_module",
+    "KERAS_HUB_SAFETENSORS_MODULE",
+    "keras_hub_safetensor_loader",
 ]
 
 keras_backend_module = keras_backend
@@ -66,3 +68,17 @@ CallbackList = callback_list.CallbackList
 # `makedirs`, which Keras' callbacks and saving look up as an attribute of
 # this module (`file_utils.makedirs(...)`) when they call it.
 keras_file_utils_module = file_utils
+
+# keras_hub's module whose `SafetensorLoader` ports a Hugging Face
+# checkpoint's tensors into the variables keras_hub builds (keras_hub, a
+# library on Keras, is never imported by this package): its rows of the
+# patch table are applied once keras_hub imports it (`_patches.after_import`).
+KERAS_HUB_SAFETENSORS_MODULE = (
+    "keras_hub.src.utils.transformers.safetensor_utils"
+)
+
+
+def keras_hub_safetensor_loader(module):
+    """keras_hub's `SafetensorLoader`, of its imported module
+    `KERAS_HUB_SAFETENSORS_MODULE`."""
+    return module.SafetensorLoader

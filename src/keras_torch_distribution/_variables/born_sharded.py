@@ -53,6 +53,11 @@ def has_sharded_variables():
     return state.sharded_exist
 
 
+def is_sharded(variable):
+    """True where the variable holds a DTensor (its layout shards it)."""
+    return isinstance(_keras.raw_value(variable), DTensor)
+
+
 def enable_implicit_replication():
     """Let plain tensors meet DTensors as replicated values, process-wide
     while the package is installed, as a plain array meets a sharded one
@@ -246,11 +251,12 @@ def convert_for_assign(original, variable, value, dtype=None):
     that `direct_assign` slices it on the host and no device holds the
     whole value. Tensors and variables are converted as Keras does.
 
-    A value of a weights file read when used (`stored_values.StoredValue`)
-    stays unread for a sharded variable of its shape: `direct_assign` reads
-    only this rank's block. For any other variable it is read whole, as
-    Keras reads it."""
-    sharded = isinstance(_keras.raw_value(variable), DTensor)
+    A value of a weights file read when used (`stored_values`: a
+    `StoredValue` of a `.weights.h5` file, a `TensorFileValue` of a
+    safetensors file) stays unread for a sharded variable of its shape:
+    `direct_assign` reads only this rank's block. For any other variable
+    it is read whole, as Keras reads it."""
+    sharded = is_sharded(variable)
     if stored_values.is_stored_value(value):
         if sharded and tuple(value.shape) == tuple(variable.shape):
             return value
