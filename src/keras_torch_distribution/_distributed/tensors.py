@@ -297,60 +297,25 @@ def for_compute(value, compute):
     """`value`, a DTensor whose mesh holds the batch axis (replicated on
     it), as the DTensor of `compute` (`layouts.compute_layout` of its
     layout) that layers compute with: the same local block, on the mesh of
-    the other axes. Its gradient comes back in `value`'s layout, with
-    `value`'s global strides (each replica's own, averaged over the batch
-    axis by the trainer); partial sums over the other axes are reduced
-    first. Not a collective in forward; backward reduces partial sums over
-    the other axes (every rank runs backward)."""
+    the other axes. Its gradient comes back in `value`'s layout (each
+    replica's own, averaged over the batch axis by the trainer); partial
+    sums over the other axes are reduced first (`from_local`'s backward
+    redistributes to the placements it was given). Not a collective in
+    forward; every rank runs backward.
+
+    `to_local` then `from_local`, DTensor's own differentiable moves
+    (SimpleFSDP's, which torch.compile traces), not an autograd Function
+    of the package's: with one, a compiled step (torch 2.13) handed the
+    optimizer a Conv2D kernel gradient whose local block was whole
+    (`test_batchnorm_cnn_on_2x2_mesh[jit]`)."""
     if value.device_mesh is compute.mesh:
         return value
-    return _ForCompute.apply(value, compute.mesh, compute.placements)
-
-
-class _ForCompute(torch.autograd.Function):
-    """See `for_compute`. An autograd Function rather than `to_local` then
-    `from_local`: `to_local`'s backward derives the gradient's global
-    strides from its local block, which for a dim sharded unevenly (7 over
-    2) are not the variable's, and autograd then copies the gradient into
-    a new tensor of the variable's strides each step."""
-
-    @staticmethod
-    def forward(ctx, value, mesh, placements):
-        ctx.mesh, ctx.placements = mesh, placements
-        ctx.stored = (value.device_mesh, value.placements)
-        ctx.shape, ctx.stride = value.shape, value.stride()
-        return DTensor.from_local(
-            value.to_local(),
-            mesh,
-            placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None, None, None
-        if not isinstance(grad, DTensor):  # a whole value
-            grad = DTensor.from_local(
-                grad,
-                ctx.mesh,
-                [Replicate()] * ctx.mesh.ndim,
-                run_check=False,
-            )
-        if tuple(grad.placements) != tuple(ctx.placements):
-            grad = grad.redistribute(ctx.mesh, ctx.placements)
-        mesh, placements = ctx.stored
-        return (
-            DTensor.from_local(
-                grad.to_local(),
-                mesh,
-                placements,
-                run_check=False,
-                shape=ctx.shape,
-                stride=ctx.stride,
-            ),
-            None,
-            None,
-        )
+    local = value.to_local(grad_placements=value.placements)
+    return DTensor.from_local(
+        local,
+        compute.mesh,
+        compute.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
