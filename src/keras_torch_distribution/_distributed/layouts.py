@@ -69,6 +69,20 @@ class TorchMeshCache:
             self._compute_meshes[key] = submesh
         return submesh
 
+    def on_full_mesh(self, mesh, placements):
+        """`(mesh, placements)` of a DTensor on a compute mesh
+        (`compute_mesh`) as the same layout on the mesh it was sliced
+        from, Replicate on the batch axis (each replica's own value); any
+        other mesh as it is."""
+        for (full, batch_axis), submesh in self._compute_meshes.items():
+            if submesh is mesh:
+                index = full.mesh_dim_names.index(batch_axis)
+                placements = tuple(placements)
+                return full, (
+                    placements[:index] + (Replicate(),) + placements[index:]
+                )
+        return mesh, placements
+
     def clear(self):
         self._meshes.clear()
         self._compute_meshes.clear()
