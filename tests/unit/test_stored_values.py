@@ -155,6 +155,29 @@ def test_blocks_of_transposed_and_reshaped_tensors_equal_numpys(tensor_file):
         assert lazy._whole is None  # none of this read the whole tensor
 
 
+def test_blocks_through_transposes_are_read_in_pieces(tensor_file, monkeypatch):
+    """Into a variable's tensor, a block through transposes and casts is
+    read a few stored rows at a time (no whole block on the host)."""
+    monkeypatch.setattr(stored_values, "PIECE_BYTES", 2 * 12 * 4)
+    rng = np.random.default_rng(3)
+    value = stored_values.tensor_file_value(tensor_file, "w")
+    for lazy, expected in (
+        (value.T, HF.T),
+        (np.transpose(value).astype(np.float16), HF.T.astype(np.float16)),
+        (value.astype(np.float64), HF.astype(np.float64)),
+    ):
+        for box in _boxes(expected.shape, rng):
+            want = expected[tuple(slice(lo, hi) for lo, hi in box)]
+            into = torch.zeros(want.shape, dtype=torch.float32)
+            stored_values.reads.clear()
+            assert lazy.read_block(box, into=into) is into
+            np.testing.assert_array_equal(
+                into.numpy(), want.astype(np.float32), err_msg=str(box)
+            )
+            assert stored_values.reads.largest <= 2 * 12 * 4, box
+            assert stored_values.reads.bytes == want.size * 4, box
+
+
 def test_a_block_is_read_alone_where_the_reshape_keeps_it_a_box(tensor_file):
     value = stored_values.tensor_file_value(tensor_file, "w")
     # Llama's query kernel: (heads * head_dim, hidden) -> (hidden, heads,

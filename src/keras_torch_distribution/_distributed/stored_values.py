@@ -56,6 +56,10 @@ class Reads:
 
 reads = Reads()
 
+# The most a block read through a transpose holds on the host at once
+# (`TensorFileValue._read_in_pieces`).
+PIECE_BYTES = 4 * 2**20
+
 
 class ValueReadWhenUsed:
     """What every stored value has: `shape`, `dtype`, `ndim`, `size`,
@@ -378,6 +382,8 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
             array = self._file.read_box(self._key, box, out=into.numpy())
             reads.add(array.nbytes)
             return into
+        elif into is not None and all(s[0] != "reshape" for s in self._steps):
+            return self._read_in_pieces(box, into)
         else:
             array = self._read_for(box)
         block = _as_torch_dtype(_to_torch(array), self.dtype)
@@ -385,6 +391,39 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
             return block
         with torch.no_grad():
             into.copy_(block)
+        return into
+
+    def _read_in_pieces(self, box, into):
+        """Read the block `box` into `into` through transposes and casts
+        alone, a piece of at most `PIECE_BYTES` of the stored box at a
+        time (whole indices of its first dim), each transposed and cast
+        into its place: no whole block on the host on the way (a
+        transposed embedding's block is the largest)."""
+        stored, axis = box, 0
+        for step in reversed(self._steps):
+            if step[0] == "transpose":
+                stored = block_maps.transpose_box(stored, step[1])
+        for step in self._steps:  # where the stored first dim goes
+            if step[0] == "transpose":
+                axis = step[1].index(axis)
+        (lo, hi), rest = stored[0], stored[1:]
+        row_bytes = self._source[1].itemsize * int(
+            np.prod(block_maps.extents(rest), dtype=np.int64)
+        )
+        rows = max(1, PIECE_BYTES // max(1, row_bytes))
+        for start in range(lo, hi, rows):
+            stop = min(hi, start + rows)
+            array = self._file.read_box(self._key, ((start, stop),) + rest)
+            reads.add(array.nbytes)
+            for step in self._steps:
+                if step[0] == "transpose":
+                    array = np.transpose(array, step[1])
+                else:
+                    array = array.astype(step[1])
+            piece = _as_torch_dtype(_to_torch(array), self.dtype)
+            where = (slice(None),) * axis + (slice(start - lo, stop - lo),)
+            with torch.no_grad():
+                into[where].copy_(piece)
         return into
 
     def _read_for(self, box):
