@@ -230,10 +230,11 @@ loader_paths = LoaderPaths()
 
 
 def loader_path(original, preset, path):
-    """keras_hub `safetensor_utils.get_file` (looked up as an attribute of
-    that module), which the loader calls for the local path of the
-    safetensors file it opens next: the path is noted, so that
-    `loader_file` can read that file itself."""
+    """keras_hub `safetensor_utils.get_file` (keras_hub is a library on
+    Keras; its loader looks it up as an attribute of that module), which
+    the loader calls for the local path of the safetensors file it opens
+    next: the path is noted, so that `loader_file` can read that file
+    itself."""
     local = original(preset, path)
     loader_paths.last = local
     return local
