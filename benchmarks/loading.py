@@ -24,7 +24,8 @@ With --hf, the same weights as a Hugging Face checkpoint (transformers'
 keras_hub converts (its `SafetensorLoader` and Llama converter, what
 `from_preset` of that directory runs):
   hf-shard -- the package: each tensor handed to keras_hub's transposes and
-              reshapes unread, this rank's block read (`TensorFileValue`).
+              reshapes unread, this rank's block read (`TensorFileValue`,
+              positioned reads of the file, not its memory map).
   hf-whole -- keras_hub's own `port_weight` put back: every tensor read
               whole on every rank, transformed, then cut.
 
@@ -61,7 +62,9 @@ class AnonPeakSampler(PeakSampler):
     """PeakSampler of the process's anonymous memory (RssAnon): without the
     pages of files it maps, which are the page cache's (safetensors reads
     through a memory map of the whole file: the pages a rank touches count
-    in its RSS, though they are shared and given back under pressure)."""
+    in its RSS, though they are shared and given back under pressure; the
+    package reads its blocks with positioned reads instead, keras_hub's
+    whole reads of variables not sharded go through the map)."""
 
     def _run(self):
         while not self._stop.is_set():

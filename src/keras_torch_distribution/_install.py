@@ -281,6 +281,7 @@ def _state_objects():
         stored_values.reads,  # bytes read from weights files
         _saving.archive_loads,  # .keras archives being loaded
         _saving.sharded_ports,  # keras_hub ports into sharded variables
+        _saving.loader_paths,  # the safetensors file keras_hub opens next
         after_imports,  # rows waiting for their library's import
         # overlapped reducers and their gradient hooks
         gradients.optimizer_sync,

@@ -299,6 +299,14 @@ def _keras_hub_safetensors(module):
     return [
         Patch(loader, "port_weight", _saving.port_weight, wrap=True),
         Patch(loader, "enter_context", _saving.loader_file, wrap=True),
+        # The path of the file the loader opens next: its blocks are read
+        # from it with positioned reads (no memory map).
+        Patch(
+            _keras.keras_hub_safetensors_paths(module),
+            "get_file",
+            _saving.loader_path,
+            wrap=True,
+        ),
     ]
 
 

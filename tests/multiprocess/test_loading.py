@@ -8,7 +8,9 @@ copy of a sharded variable on the way (tracemalloc's peak of host
 allocations during `load_weights`: numpy's reads are traced). The same for
 a Hugging Face checkpoint that keras_hub converts (safetensors, one file
 and sharded with an index), whose tensors keras_hub transposes and
-reshapes before `assign`.
+reshapes before `assign`; its blocks are read with positioned reads, so
+the file's memory map (safetensors', which keras_hub opens) holds only
+the pages of the tensors keras_hub reads whole (/proc/self/smaps).
 
 keras_hub (and safetensors, sentencepiece for its converters) is installed
 by .ci/run; without it these tests are skipped.
@@ -28,6 +30,9 @@ keras_hub = pytest.importorskip("keras_hub")
 VOCAB, HIDDEN, SEQ, ROWS = 16384, 64, 8, 2
 # Python objects h5py and Keras make while loading (traced: about 200 KB).
 SLACK = 512 * 1024
+# The pages Linux maps around a fault on a file it has cached (its
+# fault_around_bytes, 64 KiB).
+FAULT_AROUND = 64 * 1024
 
 
 def _backbone(**kwargs):
@@ -359,6 +364,29 @@ def _save_hf_checkpoints(directory):
     return whole, sharded
 
 
+def _mapped_bytes(directory):
+    """Bytes of the safetensors files in `directory` that this process has
+    in memory through a memory map (the Rss of their mappings in
+    /proc/self/smaps: pages it touched, and the pages around them the
+    kernel maps on a fault); None where there is no /proc."""
+    if not os.path.exists("/proc/self/smaps"):
+        return None
+    paths = {
+        os.path.realpath(os.path.join(directory, name))
+        for name in os.listdir(directory)
+        if name.endswith(".safetensors")
+    }
+    total, counting = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                counting = len(fields) >= 6 and fields[5] in paths
+            elif counting and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
 def _load_hf_on_rank(kind, sources):
     """On each rank, for each checkpoint: build the backbone from its
     config under the distribution, convert the weights into it as
@@ -386,6 +414,7 @@ def _load_hf_on_rank(kind, sources):
         try:
             with safetensor_utils.SafetensorLoader(source) as files:
                 loader.converter.convert_weights(backbone, files, loader.config)
+                mapped = _mapped_bytes(source)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
@@ -407,6 +436,20 @@ def _load_hf_on_rank(kind, sources):
                 if not born_sharded.is_sharded(v)
             ),
             "peak": peak,
+            "mapped": mapped,
+            "replicated": [
+                born_sharded.local_bytes(v)
+                for v in backbone.weights
+                if not born_sharded.is_sharded(v)
+            ],
+            "files": len(
+                [n for n in os.listdir(source) if n.endswith(".safetensors")]
+            ),
+            "file_bytes": sum(
+                os.path.getsize(os.path.join(source, n))
+                for n in os.listdir(source)
+                if n.endswith(".safetensors")
+            ),
             "sharded": sum(
                 born_sharded.is_sharded(v) for v in backbone.weights
             ),
@@ -450,3 +493,20 @@ def test_hugging_face_checkpoint_loads_shard_by_shard(pool2, tmp_path, kind):
             bound = max(got["largest_block"], got["largest_replicated"]) + SLACK
             assert bound < largest_whole, (where, bound, largest_whole)
             assert got["peak"] <= bound, (where, got["peak"], bound)
+            # The file's pages: the blocks are read with positioned reads,
+            # so the file's mapping (safetensors' own, which keras_hub opens)
+            # holds only the pages of the tensors keras_hub reads whole
+            # (variables not sharded), each with the kernel's fault-around
+            # window on either side, and the header's; not every page a
+            # block's rows cross (half the file and more through it).
+            if got["mapped"] is not None:
+                mapped_bound = sum(got["replicated"]) + FAULT_AROUND * (
+                    2 * len(got["replicated"]) + got["files"]
+                )
+                assert mapped_bound < got["file_bytes"] / 4, where
+                assert got["mapped"] <= mapped_bound, (
+                    where,
+                    got["mapped"],
+                    mapped_bound,
+                    got["file_bytes"],
+                )

@@ -13,9 +13,10 @@ once). Two kinds:
 - `StoredValue`: a dataset of an HDF5 weights file (Keras' `.weights.h5`,
   read through HDF5's hyperslab selection);
 - `TensorFileValue`: a tensor of a safetensors file (a Hugging Face
-  checkpoint that keras_hub converts, read through safetensors'
-  `get_slice`), with the transposes, reshapes and casts that numpy code
-  applies to it recorded, not done: a block of the result is read as the
+  checkpoint that keras_hub converts, its boxes read with positioned reads
+  by `safetensors_file.SafetensorsFile`, not through a memory map), with
+  the transposes, reshapes and casts that numpy code applies to it
+  recorded, not done: a block of the result is read as the
   block of the stored tensor it needs (`block_maps`).
 
 `reads` counts what was read from files this way (bytes, the largest single
@@ -54,6 +55,10 @@ class Reads:
 
 
 reads = Reads()
+
+# The most a block read through a transpose holds on the host at once
+# (`TensorFileValue._read_in_pieces`).
+PIECE_BYTES = 4 * 2**20
 
 
 class ValueReadWhenUsed:
@@ -210,8 +215,8 @@ class StoredValue(ValueReadWhenUsed):
 
 
 class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
-    """One tensor of a safetensors file opened with
-    `safe_open(path, framework="np")`, read when used, with the numpy
+    """One tensor of a safetensors file (a
+    `safetensors_file.SafetensorsFile`), read when used, with the numpy
     operations applied to it that a block can be read through recorded,
     not done: `np.transpose` / `.transpose` / `.T`, `np.reshape` /
     `.reshape` (row-major) and `.astype`, each giving a new
@@ -221,20 +226,16 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
     whole. Any other use (another numpy function, arithmetic, indexing,
     `np.asarray`) reads the whole tensor, applies the recorded operations
     with numpy and goes on with the array, with a warning naming what
-    needed it (once per kind of use). The file must stay open while the
-    value is used (keras_hub's loader keeps its files open while it
-    converts)."""
+    needed it (once per kind of use), through the file's `read_whole`
+    (safetensors' own `get_tensor` for a file keras_hub opened). The file
+    must stay open while the value is used (keras_hub's loader keeps its
+    files open while it converts)."""
 
     def __init__(self, file, key, source=None, steps=()):
         self._file = file
         self._key = key
         if source is None:
-            tensor_slice = file.get_slice(key)
-            shape = tuple(int(n) for n in tensor_slice.get_shape())
-            # Rows 0:0 read nothing and give numpy's dtype (an empty slice
-            # of the last dim too reads the whole tensor: safetensors 0.8).
-            empty = tensor_slice[0:0]
-            source = (shape, np.dtype(empty.dtype))
+            source = file.info(key)
         self._source = source
         self._steps = tuple(steps)
         self._whole = None
@@ -350,7 +351,7 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
     def whole(self):
         """The whole value, a numpy array (read once)."""
         if self._whole is None:
-            array = self._file.get_tensor(self._key)
+            array = self._file.read_whole(self._key)
             reads.add(array.nbytes)
             for step in self._steps:
                 if step[0] == "transpose":
@@ -376,6 +377,13 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
                 array = np.empty(block_maps.extents(box), self.dtype)
             else:
                 array = array[tuple(slice(lo, hi) for lo, hi in box)]
+        elif not self._steps and _readable_into(into, self.dtype):
+            # Stored as the variable holds it: read straight into it.
+            array = self._file.read_box(self._key, box, out=into.numpy())
+            reads.add(array.nbytes)
+            return into
+        elif into is not None and all(s[0] != "reshape" for s in self._steps):
+            return self._read_in_pieces(box, into)
         else:
             array = self._read_for(box)
         block = _as_torch_dtype(_to_torch(array), self.dtype)
@@ -383,6 +391,39 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
             return block
         with torch.no_grad():
             into.copy_(block)
+        return into
+
+    def _read_in_pieces(self, box, into):
+        """Read the block `box` into `into` through transposes and casts
+        alone, a piece of at most `PIECE_BYTES` of the stored box at a
+        time (whole indices of its first dim), each transposed and cast
+        into its place: no whole block on the host on the way (a
+        transposed embedding's block is the largest)."""
+        stored, axis = box, 0
+        for step in reversed(self._steps):
+            if step[0] == "transpose":
+                stored = block_maps.transpose_box(stored, step[1])
+        for step in self._steps:  # where the stored first dim goes
+            if step[0] == "transpose":
+                axis = step[1].index(axis)
+        (lo, hi), rest = stored[0], stored[1:]
+        row_bytes = self._source[1].itemsize * int(
+            np.prod(block_maps.extents(rest), dtype=np.int64)
+        )
+        rows = max(1, PIECE_BYTES // max(1, row_bytes))
+        for start in range(lo, hi, rows):
+            stop = min(hi, start + rows)
+            array = self._file.read_box(self._key, ((start, stop),) + rest)
+            reads.add(array.nbytes)
+            for step in self._steps:
+                if step[0] == "transpose":
+                    array = np.transpose(array, step[1])
+                else:
+                    array = array.astype(step[1])
+            piece = _as_torch_dtype(_to_torch(array), self.dtype)
+            where = (slice(None),) * axis + (slice(start - lo, stop - lo),)
+            with torch.no_grad():
+                into[where].copy_(piece)
         return into
 
     def _read_for(self, box):
@@ -404,8 +445,7 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
                 box = in_box
             else:
                 undo.append(step)
-        tensor_slice = self._file.get_slice(self._key)
-        array = tensor_slice[tuple(slice(lo, hi) for lo, hi in box)]
+        array = self._file.read_box(self._key, box)
         reads.add(array.nbytes)
         for step in reversed(undo):
             if step[0] == "transpose":
@@ -418,10 +458,11 @@ class TensorFileValue(np.lib.mixins.NDArrayOperatorsMixin, ValueReadWhenUsed):
 
 
 def tensor_file_value(file, key):
-    """The tensor `key` of the safetensors file `file`, unread (a
-    `TensorFileValue`); a 0-d tensor is read at once."""
-    if not file.get_slice(key).get_shape():
-        array = file.get_tensor(key)
+    """The tensor `key` of the safetensors file `file` (a
+    `safetensors_file.SafetensorsFile`), unread (a `TensorFileValue`); a
+    0-d tensor is read at once."""
+    if not file.info(key)[0]:
+        array = file.read_whole(key)
         reads.add(array.nbytes)
         return array
     return TensorFileValue(file, key)

@@ -44,6 +44,7 @@ __all__ = [
     "keras_file_utils_module",
     "KERAS_HUB_SAFETENSORS_MODULE",
     "keras_hub_safetensor_loader",
+    "keras_hub_safetensors_paths",
 ]
 
 keras_backend_module = keras_backend
@@ -82,3 +83,11 @@ def keras_hub_safetensor_loader(module):
     """keras_hub's `SafetensorLoader`, of its imported module
     `KERAS_HUB_SAFETENSORS_MODULE`."""
     return module.SafetensorLoader
+
+
+def keras_hub_safetensors_paths(module):
+    """The owner of the `get_file` keras_hub's `SafetensorLoader` calls for
+    a safetensors file's local path just before opening it: the imported
+    module `KERAS_HUB_SAFETENSORS_MODULE` itself (it calls `get_file(...)`
+    as a name of that module)."""
+    return module
