@@ -59,7 +59,10 @@ Every case is launched in two kinds of fresh processes; per rank:
       the collectives the rank issues in one more step, by kind
       (keras_torch_distribution.plan._collective_counts: all-gathers,
       reduce-scatters, all-reduces, whatever issues them: FSDP, tensor
-      parallelism, gradient and metric sync).
+      parallelism, gradient and metric sync), and the aten ops of one more
+      step, all and those that are not views (about the kernels a GPU
+      would run; keras_torch_distribution._op_counts): exact counts, the
+      same on any machine.
   memory launches (MALLOC_MMAP_THRESHOLD_=1048576: every allocation
       >= 1 MiB is its own mmap, returned on free, so RSS follows live
       tensors): `warmup` steps, then `memory-steps` steps with a thread
@@ -162,6 +165,7 @@ def _measure(step, barrier, phase, steps, warmup, memory_steps):
     memory phase's allocator)."""
     import time
 
+    from keras_torch_distribution import _op_counts
     from keras_torch_distribution.plan import _collective_counts
 
     _launch.time_steps(step, warmup, 0, barrier)
@@ -176,6 +180,12 @@ def _measure(step, barrier, phase, steps, warmup, memory_steps):
         with _collective_counts.counting() as counts:
             step()
         result["collectives_per_step"] = counts
+        # Exact, machine-independent: the aten ops of one step, and those
+        # that are not views (about the kernels a GPU would run).
+        with _op_counts.count_ops() as ops:
+            step()
+        result["ops_per_step"] = ops.total
+        result["kernels_per_step"] = ops.kernels
         if os.environ.get("BENCH_PROFILE"):
             _profile(step, barrier, os.environ["BENCH_PROFILE"])
         return result
@@ -506,6 +516,8 @@ def _time_figures(ranks):
             ranks[0]["loadavg_1min_before"],
             ranks[0]["loadavg_1min_after"],
         ],
+        "ops_per_step": max(r["ops_per_step"] for r in ranks),
+        "kernels_per_step": max(r["kernels_per_step"] for r in ranks),
         # The most any rank issued, by kind.
         "collectives_per_step": {
             kind: max(r["collectives_per_step"].get(kind, 0) for r in ranks)
@@ -660,6 +672,13 @@ def main():
             figures[c]["time"][-1]["final_loss"] if figures[c]["time"] else None
             for c in (ours, theirs)
         ]
+        for count in ("ops_per_step", "kernels_per_step"):
+            ratios[model_kind][count] = {
+                side: figures[c]["time"][-1][count]
+                if figures[c]["time"]
+                else None
+                for side, c in (("keras", ours), ("torch", theirs))
+            }
         ratios[model_kind]["collectives_per_step"] = {
             side: figures[c]["time"][-1]["collectives_per_step"]
             if figures[c]["time"]
@@ -692,6 +711,12 @@ def main():
             f"peak {r['peak_mib']} / hwm {r['hwm_mib']} (target <= "
             f"{MEMORY_TARGET})  state {r['state_mib']}  final losses "
             f"{[None if v is None else round(v, 4) for v in r['final_loss']]}"
+        )
+        print(
+            f"         aten ops per step: keras {r['ops_per_step']['keras']} "
+            f"torch {r['ops_per_step']['torch']}; not views (kernels): keras "
+            f"{r['kernels_per_step']['keras']} torch "
+            f"{r['kernels_per_step']['torch']}"
         )
         print(
             f"         collectives per step: keras "

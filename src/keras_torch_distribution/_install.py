@@ -3,11 +3,15 @@
 Only `__init__.py` imports this module. It applies the patch table
 (`_patches`): it checks that every target exists before changing anything,
 keeps the originals, and `uninstall()` puts everything back and clears
-every cache.
+every cache. Rows whose owners are in libraries on Keras (keras_hub) are
+applied when the library's module is imported (`after_imports`), never
+importing it.
 """
 
 import atexit
 import gc
+import importlib.abc
+import sys
 import warnings
 
 import keras
@@ -23,6 +27,7 @@ from keras_torch_distribution._fsdp import flat_shards
 from keras_torch_distribution._fsdp import gathering
 from keras_torch_distribution._fsdp import groups
 from keras_torch_distribution._patches import _patch_table
+from keras_torch_distribution._patches import after_import
 from keras_torch_distribution._processes import join
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._training import boundary
@@ -76,16 +81,10 @@ def install():
         )
     if _keras.newer_keras():
         _warn_newer_keras(len(table))
-    for patch in table:
-        patch.original = patch.owner.__dict__.get(patch.name, _MISSING)
-        patch.inherited = patch.original is _MISSING
-        if patch.inherited:
-            patch.original = getattr(patch.owner, patch.name)
-    for patch in table:
-        setattr(patch.owner, patch.name, _bind(patch))
-        _installed.append(patch)
+    _apply(table)
     born_sharded.enable_implicit_replication()
     sharding_rules.register()
+    after_imports.watch(after_import())
     if not _exit_registered:
         # Registered at import, before the application's own hooks: those
         # run first (atexit runs newest first) and may still use the group.
@@ -94,6 +93,115 @@ def install():
 
 
 _exit_registered = []
+
+
+def _apply(table):
+    for patch in table:
+        patch.original = patch.owner.__dict__.get(patch.name, _MISSING)
+        patch.inherited = patch.original is _MISSING
+        if patch.inherited:
+            patch.original = getattr(patch.owner, patch.name)
+    for patch in table:
+        setattr(patch.owner, patch.name, _bind(patch))
+        _installed.append(patch)
+
+
+class AfterImports(importlib.abc.MetaPathFinder):
+    """The patch table's rows for modules of libraries on Keras
+    (`_patches.after_import`), applied when such a module is imported: at
+    `install()` where it already is, else by this finder, first on
+    `sys.meta_path` while rows wait, which lets the other finders find the
+    module and applies its rows once it has run. The package never imports
+    these modules."""
+
+    def __init__(self):
+        self.waiting = {}  # module name -> function of it giving rows
+
+    def watch(self, rows_by_module):
+        for name, rows in rows_by_module.items():
+            if name in sys.modules:
+                _apply_after_import(name, rows, sys.modules[name])
+            else:
+                self.waiting[name] = rows
+        if self.waiting and self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def clear(self):
+        self.waiting.clear()
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.waiting:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = (
+                None
+                if finder is self or find is None
+                else find(name, path, target)
+            )
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _ThenPatch(spec.loader, self._imported)
+        return spec
+
+    def _imported(self, module):
+        rows = self.waiting.pop(module.__name__, None)
+        if not self.waiting:
+            self.clear()
+        if rows is not None and _installed:
+            _apply_after_import(module.__name__, rows, module)
+
+
+class _ThenPatch(importlib.abc.Loader):
+    """A module's own loader, then the patch table's rows for it; the
+    module keeps its own loader."""
+
+    def __init__(self, loader, then):
+        self._loader = loader
+        self._then = then
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._then(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def _apply_after_import(name, rows, module):
+    """Apply `rows(module)`; where the library no longer has what they
+    replace, warn and leave it as it is (its own behaviour, as without the
+    package)."""
+    try:
+        table = rows(module)
+        missing = [p.describe() for p in table if not hasattr(p.owner, p.name)]
+    except AttributeError as error:
+        missing = [str(error)]
+    if missing:
+        warnings.warn(
+            f"keras_torch_distribution cannot find {missing} in {name}, "
+            "which it replaces to load that library's files shard by shard; "
+            "they load as the library loads them (every rank reads whole "
+            "tensors). Install the versions the package was tested with "
+            "(keras-hub 0.32).",
+            stacklevel=2,
+        )
+        return
+    _apply(table)
+
+
+after_imports = AfterImports()
 
 
 def _warn_newer_keras(patch_count):
@@ -172,6 +280,9 @@ def _state_objects():
         born_sharded.state,
         stored_values.reads,  # bytes read from weights files
         _saving.archive_loads,  # .keras archives being loaded
+        _saving.sharded_ports,  # keras_hub ports into sharded variables
+        _saving.loader_paths,  # the safetensors file keras_hub opens next
+        after_imports,  # rows waiting for their library's import
         # overlapped reducers and their gradient hooks
         gradients.optimizer_sync,
         metric_states.state,  # models whose metric states fold, the last sum

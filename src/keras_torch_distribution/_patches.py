@@ -1,6 +1,7 @@
 """The patch table: every Keras attribute the package replaces, and with
 what (`_patch_table()`; the fast ops, `_fast_ops`; Keras 3.16's own
-distribution turned off, `_native_distribution_off`).
+distribution turned off, `_native_distribution_off`; attributes of
+libraries on Keras, applied when they are imported, `after_import`).
 
 Every owner comes from `_keras/`; `_install` applies the table.
 docs/architecture.md lists it (tests/unit/test_docs.py checks both ways).
@@ -286,6 +287,33 @@ def _patch_table():
         ),
         *_native_distribution_off(k),
         *(_fast_ops(k) if fast else []),
+    ]
+
+
+def after_import():
+    """Rows whose owners are modules of libraries on Keras, which the
+    package never imports: {module name: function of the imported module
+    giving its rows}. `_install` applies a module's rows when it is
+    imported (at once where it already is), and `uninstall()` takes them
+    out with the others."""
+    return {_keras.KERAS_HUB_SAFETENSORS_MODULE: _keras_hub_safetensors}
+
+
+def _keras_hub_safetensors(module):
+    """keras_hub's loader of Hugging Face checkpoints: a tensor ported into
+    a sharded variable is read block by block (`_saving.port_weight`)."""
+    loader = _keras.keras_hub_safetensor_loader(module)
+    return [
+        Patch(loader, "port_weight", _saving.port_weight, wrap=True),
+        Patch(loader, "enter_context", _saving.loader_file, wrap=True),
+        # The path of the file the loader opens next: its blocks are read
+        # from it with positioned reads (no memory map).
+        Patch(
+            _keras.keras_hub_safetensors_paths(module),
+            "get_file",
+            _saving.loader_path,
+            wrap=True,
+        ),
     ]
 
 

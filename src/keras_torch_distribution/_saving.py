@@ -34,6 +34,8 @@ import keras
 import torch.distributed as dist
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution import _log
+from keras_torch_distribution._distributed import safetensors_file
 from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._variables import born_sharded
@@ -179,6 +181,119 @@ def whole_file_in_memory(original, model):
     ):
         return False
     return original(model)
+
+
+class ShardedPorts:
+    """How many keras_hub `SafetensorLoader.port_weight` calls into a
+    sharded variable are in progress in this process."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.depth = 0
+
+
+sharded_ports = ShardedPorts()
+
+
+def port_weight(original, loader, keras_variable, hf_weight_key, hook_fn=None):
+    """keras_hub `SafetensorLoader.port_weight` (keras_hub is a library on
+    Keras), which reads a Hugging Face tensor whole, transforms it with
+    `hook_fn` and assigns it: into a sharded variable, the tensor is
+    handed to `hook_fn` unread (a `stored_values.TensorFileValue`, through
+    the file `loader_file` gave the loader), so that the transposes,
+    reshapes and casts keras_hub's converters apply are recorded and
+    `assign` reads only this rank's block of the stored tensor. Into any
+    other variable, keras_hub's own."""
+    if not born_sharded.is_sharded(keras_variable):
+        return original(loader, keras_variable, hf_weight_key, hook_fn)
+    sharded_ports.depth += 1
+    try:
+        return original(loader, keras_variable, hf_weight_key, hook_fn)
+    finally:
+        sharded_ports.depth -= 1
+
+
+class LoaderPaths:
+    """The local path keras_hub's safetensors loader asked for last
+    (`loader_path`): the file it opens next (`loader_file`)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.last = None
+
+
+loader_paths = LoaderPaths()
+
+
+def loader_path(original, preset, path):
+    """keras_hub `safetensor_utils.get_file` (keras_hub is a library on
+    Keras; its loader looks it up as an attribute of that module), which
+    the loader calls for the local path of the safetensors file it opens
+    next: the path is noted, so that `loader_file` can read that file
+    itself."""
+    local = original(preset, path)
+    loader_paths.last = local
+    return local
+
+
+def loader_file(original, loader, context):
+    """keras_hub `SafetensorLoader.enter_context` (contextlib's, which the
+    loader keeps each safetensors file it opens with, for a library on
+    Keras): while sharded variables exist, a safetensors file comes back
+    as a `SliceReadingFile`: its `get_tensor` hands the tensor out unread
+    while `port_weight` ports it into a sharded variable, and the tensor's
+    blocks are read from the file at the path the loader asked for
+    (`loader_path`) with positioned reads (`SafetensorsFile`), closed with
+    the loader. Where that path is unknown or holds other tensors, the
+    file is keras_hub's own (whole reads), with a warning."""
+    opened = original(loader, context)
+    path, loader_paths.last = loader_paths.last, None
+    if not (
+        born_sharded.has_sharded_variables()
+        and hasattr(opened, "get_tensor")
+        and hasattr(opened, "keys")
+    ):
+        return opened
+    reader = safetensors_file.SafetensorsFile(path, opened) if path else None
+    if reader is None or set(reader.keys()) != set(opened.keys()):
+        _log.warn_once(
+            ("safetensors path unknown", path),
+            "keras_hub opened a safetensors file whose path the package "
+            "did not see (last asked for: %r); its tensors are read whole "
+            "on every rank, as keras_hub reads them. Load with keras_hub's "
+            "SafetensorLoader, which asks get_file for each file's path.",
+            path,
+        )
+        if reader is not None:
+            reader.close()
+        return opened
+    loader.callback(reader.close)
+    return SliceReadingFile(opened, reader)
+
+
+class SliceReadingFile:
+    """A safetensors file (`safe_open(path, framework="np")`) a keras_hub
+    loader keeps open, beside the same file read box by box (`reader`, a
+    `SafetensorsFile`). `get_tensor(key)` reads the tensor whole, as the
+    file does, except while `port_weight` ports into a sharded variable:
+    then it hands it out unread (`stored_values.tensor_file_value`), and
+    its blocks are read by `reader`. Everything else is the file's own."""
+
+    def __init__(self, file, reader):
+        self._file = file
+        self._reader = reader
+
+    def get_tensor(self, key):
+        if sharded_ports.depth:
+            return stored_values.tensor_file_value(self._reader, key)
+        return self._file.get_tensor(key)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
 
 
 def store_close(original, store):

@@ -5,9 +5,15 @@ map on a batch axis of 2): every variable equal to one process's, the
 logits too; each rank reads from the files no more than it keeps plus one
 block of the largest variable (`stored_values.reads`), and holds no whole
 copy of a sharded variable on the way (tracemalloc's peak of host
-allocations during `load_weights`: numpy's reads are traced).
+allocations during `load_weights`: numpy's reads are traced). The same for
+a Hugging Face checkpoint that keras_hub converts (safetensors, one file
+and sharded with an index), whose tensors keras_hub transposes and
+reshapes before `assign`; its blocks are read with positioned reads, so
+the file's memory map (safetensors', which keras_hub opens) holds only
+the pages of the tensors keras_hub reads whole (/proc/self/smaps).
 
-keras_hub is installed by .ci/run; without it these tests are skipped.
+keras_hub (and safetensors, sentencepiece for its converters) is installed
+by .ci/run; without it these tests are skipped.
 """
 
 import os
@@ -24,6 +30,9 @@ keras_hub = pytest.importorskip("keras_hub")
 VOCAB, HIDDEN, SEQ, ROWS = 16384, 64, 8, 2
 # Python objects h5py and Keras make while loading (traced: about 200 KB).
 SLACK = 512 * 1024
+# The pages Linux maps around a fault on a file it has cached (its
+# fault_around_bytes, 64 KiB).
+FAULT_AROUND = 64 * 1024
 
 
 def _backbone(**kwargs):
@@ -268,3 +277,236 @@ def test_bfloat16_preset_loads_into_float32_block_by_block(pool2, tmp_path):
             )
         # bfloat16 read: half the bytes the float32 blocks keep.
         assert got["read"] * 2 == got["kept"], (got["read"], got["kept"])
+
+
+# -- a Hugging Face checkpoint that keras_hub converts --------------------
+
+HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 4, 2, 2 * HIDDEN, 2
+
+
+def _hf_tensors():
+    """A tiny Llama in transformers' names and layouts: projections
+    (out, in), untied lm_head."""
+    rng = np.random.default_rng(5)
+    head = HIDDEN // HEADS
+
+    def normal(*shape):
+        return (0.1 * rng.standard_normal(shape)).astype("float32")
+
+    tensors = {
+        "model.embed_tokens.weight": normal(VOCAB, HIDDEN),
+        "lm_head.weight": normal(VOCAB, HIDDEN),
+        "model.norm.weight": 1 + normal(HIDDEN),
+    }
+    for i in range(LAYERS):
+        layer = f"model.layers.{i}."
+        tensors.update(
+            {
+                layer + "input_layernorm.weight": 1 + normal(HIDDEN),
+                layer + "post_attention_layernorm.weight": 1 + normal(HIDDEN),
+                layer + "self_attn.q_proj.weight": normal(HEADS * head, HIDDEN),
+                layer + "self_attn.k_proj.weight": normal(
+                    KV_HEADS * head, HIDDEN
+                ),
+                layer + "self_attn.v_proj.weight": normal(
+                    KV_HEADS * head, HIDDEN
+                ),
+                layer + "self_attn.o_proj.weight": normal(HIDDEN, HEADS * head),
+                layer + "mlp.gate_proj.weight": normal(INTERMEDIATE, HIDDEN),
+                layer + "mlp.up_proj.weight": normal(INTERMEDIATE, HIDDEN),
+                layer + "mlp.down_proj.weight": normal(HIDDEN, INTERMEDIATE),
+            }
+        )
+    return tensors
+
+
+def _save_hf_checkpoints(directory):
+    """The tiny Llama as transformers saves it: config.json and
+    model.safetensors; and sharded, model.safetensors.index.json naming
+    two files. Returns both directories."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "float32",
+    }
+    tensors = _hf_tensors()
+    whole = os.path.join(directory, "hf")
+    sharded = os.path.join(directory, "hf-sharded")
+    for path in (whole, sharded):
+        os.makedirs(path)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+    save_file(tensors, os.path.join(whole, "model.safetensors"))
+    files = {"model-00001-of-00002.safetensors": {}}
+    files["model-00002-of-00002.safetensors"] = {}
+    for key, value in tensors.items():
+        first = key.startswith(("model.embed_tokens", "model.layers.0."))
+        files[sorted(files)[0 if first else 1]][key] = value
+    weight_map = {}
+    for name, part in files.items():
+        save_file(part, os.path.join(sharded, name))
+        weight_map.update({key: name for key in part})
+    with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return whole, sharded
+
+
+def _mapped_bytes(directory):
+    """Bytes of the safetensors files in `directory` that this process has
+    in memory through a memory map (the Rss of their mappings in
+    /proc/self/smaps: pages it touched, and the pages around them the
+    kernel maps on a fault); None where there is no /proc."""
+    if not os.path.exists("/proc/self/smaps"):
+        return None
+    paths = {
+        os.path.realpath(os.path.join(directory, name))
+        for name in os.listdir(directory)
+        if name.endswith(".safetensors")
+    }
+    total, counting = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                counting = len(fields) >= 6 and fields[5] in paths
+            elif counting and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def _load_hf_on_rank(kind, sources):
+    """On each rank, for each checkpoint: build the backbone from its
+    config under the distribution, convert the weights into it as
+    `from_preset` does (keras_hub's loader and Llama converter), counting
+    the bytes read and the peak of host allocations; then `from_preset`
+    the checkpoint whole."""
+    import tracemalloc
+
+    from keras_hub.src.utils.preset_utils import get_preset_loader
+    from keras_hub.src.utils.transformers import safetensor_utils
+
+    from keras_torch_distribution._distributed import stored_values
+    from keras_torch_distribution._variables import born_sharded
+
+    found = {}
+    for source in sources:
+        keras.backend.clear_session()
+        _set_distribution(kind)
+        backbone = keras_hub.models.LlamaBackbone.from_preset(
+            source, load_weights=False
+        )
+        loader = get_preset_loader(source)
+        stored_values.reads.clear()
+        tracemalloc.start()
+        try:
+            with safetensor_utils.SafetensorLoader(source) as files:
+                loader.converter.convert_weights(backbone, files, loader.config)
+                mapped = _mapped_bytes(source)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        read = stored_values.reads.bytes
+        keras.backend.clear_session()
+        _set_distribution(kind)
+        loaded = keras_hub.models.LlamaBackbone.from_preset(source)
+        found[os.path.basename(source)] = {
+            "read": read,
+            "kept": sum(born_sharded.local_bytes(v) for v in backbone.weights),
+            "largest_block": max(
+                born_sharded.local_bytes(v)
+                for v in backbone.weights
+                if born_sharded.is_sharded(v)
+            ),
+            "largest_replicated": max(
+                born_sharded.local_bytes(v)
+                for v in backbone.weights
+                if not born_sharded.is_sharded(v)
+            ),
+            "peak": peak,
+            "mapped": mapped,
+            "replicated": [
+                born_sharded.local_bytes(v)
+                for v in backbone.weights
+                if not born_sharded.is_sharded(v)
+            ],
+            "files": len(
+                [n for n in os.listdir(source) if n.endswith(".safetensors")]
+            ),
+            "file_bytes": sum(
+                os.path.getsize(os.path.join(source, n))
+                for n in os.listdir(source)
+                if n.endswith(".safetensors")
+            ),
+            "sharded": sum(
+                born_sharded.is_sharded(v) for v in backbone.weights
+            ),
+            "weights": {v.path: np.asarray(v) for v in backbone.weights},
+            "loaded": {v.path: np.asarray(v) for v in loaded.weights},
+            "logits": _logits(loaded),
+        }
+    return found
+
+
+@pytest.mark.parametrize("kind", ["model", "fsdp"])
+def test_hugging_face_checkpoint_loads_shard_by_shard(pool2, tmp_path, kind):
+    pytest.importorskip("safetensors")
+    sources = _save_hf_checkpoints(str(tmp_path))
+    keras.distribution.set_distribution(None)
+    one = keras_hub.models.LlamaBackbone.from_preset(sources[0])
+    weights = {v.path: np.asarray(v) for v in one.weights}
+    logits = _logits(one)
+    largest_whole = max(w.nbytes for w in weights.values())
+    results = pool2.run(_load_hf_on_rank, kind, sources, timeout=300)
+    for rank, by_source in enumerate(results):
+        for source, got in by_source.items():
+            where = f"{kind} {source} rank {rank}"
+            assert got["sharded"] >= 8, where
+            for name in ("weights", "loaded"):
+                assert got[name].keys() == weights.keys(), where
+                for path, value in weights.items():
+                    np.testing.assert_array_equal(
+                        got[name][path], value, err_msg=f"{where} {path}"
+                    )
+            np.testing.assert_allclose(
+                got["logits"], logits, rtol=1e-5, atol=1e-5, err_msg=where
+            )
+            # Read: what the rank keeps, nothing of the others' blocks.
+            assert got["read"] <= got["kept"] + got["largest_block"], (
+                where,
+                got["read"],
+                got["kept"],
+            )
+            # No whole copy of a tensor on the way to its block.
+            bound = max(got["largest_block"], got["largest_replicated"]) + SLACK
+            assert bound < largest_whole, (where, bound, largest_whole)
+            assert got["peak"] <= bound, (where, got["peak"], bound)
+            # The file's pages: the blocks are read with positioned reads,
+            # so the file's mapping (safetensors' own, which keras_hub opens)
+            # holds only the pages of the tensors keras_hub reads whole
+            # (variables not sharded), each with the kernel's fault-around
+            # window on either side, and the header's; not every page a
+            # block's rows cross (half the file and more through it).
+            if got["mapped"] is not None:
+                mapped_bound = sum(got["replicated"]) + FAULT_AROUND * (
+                    2 * len(got["replicated"]) + got["files"]
+                )
+                assert mapped_bound < got["file_bytes"] / 4, where
+                assert got["mapped"] <= mapped_bound, (
+                    where,
+                    got["mapped"],
+                    mapped_bound,
+                    got["file_bytes"],
+                )

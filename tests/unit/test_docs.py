@@ -2,6 +2,7 @@
 the code's (`_patches`' patch table and the planner's scoped patches),
 both ways; the README's length and its `ktd plan`."""
 
+import importlib
 import os
 import re
 import types
@@ -51,6 +52,22 @@ def install_patches():
     return {(path_of(p.owner), p.name) for p in patches}
 
 
+def after_import_patches():
+    """(owner path, attribute) of the rows applied when a library on Keras
+    imports its module (`_patches.after_import`), for the libraries
+    installed here (imported to read their owners); and the top-level
+    names of the libraries that are not."""
+    found, absent = set(), set()
+    for name, rows in _patches.after_import().items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            absent.add(name.split(".")[0])
+            continue
+        found |= {(path_of(p.owner), p.name) for p in rows(module)}
+    return found, absent
+
+
 def planner_patches():
     """(owner path, attribute) of what `ktd plan` replaces for one block."""
     found = {(path_of(_keras.Model), name) for name in _stops.STOPPED_AT}
@@ -67,8 +84,9 @@ def planner_patches():
 def doc_patches(path):
     """(owner path, attribute) of every row of the tables between
     `<!-- patches -->` and `<!-- /patches -->`: each backticked owner of the
-    first column (under `keras.src` unless it starts with `torch` or is
-    the model's class) with each backticked attribute of the second."""
+    first column (under `keras.src` unless it starts with `torch` or
+    `keras_hub` or is the model's class) with each backticked attribute of
+    the second."""
     text = open(path, encoding="utf-8").read()
     region = text.split("<!-- patches -->")[1].split("<!-- /patches -->")[0]
     found = set()
@@ -79,7 +97,9 @@ def doc_patches(path):
         owners = re.findall(r"`([^`]+)`", cells[0])
         names = re.findall(r"`([^`]+)`", cells[1])
         for owner in owners:
-            if not (owner.startswith("torch") or owner == MODEL_CLASS):
+            if not (
+                owner.startswith(("torch", "keras_hub")) or owner == MODEL_CLASS
+            ):
                 owner = "keras.src." + owner
             found |= {(owner, name) for name in names}
     return found
@@ -91,8 +111,11 @@ def test_the_patch_tables_of_the_architecture_doc_match_the_code():
         # owners' paths differ); the doc names Keras 3.15's paths, and CI
         # checks it on 3.15.
         pytest.skip("the doc's owner paths are Keras 3.15's")
-    code = install_patches() | planner_patches()
+    after, absent = after_import_patches()
+    code = install_patches() | planner_patches() | after
     doc = doc_patches(ARCHITECTURE)
+    # A library not installed here: its rows cannot be read from the code.
+    doc = {(o, n) for o, n in doc if o.split(".")[0] not in absent}
     if masked_lookup.MaskBuffer is None:  # a torch without it: no such row
         doc = {(o, n) for o, n in doc if not o.endswith(".MaskBuffer")}
     assert sorted(code - doc) == [], (
@@ -113,6 +136,7 @@ def test_the_doc_table_reader_finds_rows_and_misses(tmp_path):
         "<!-- patches -->\n\n| owner | attributes | by |\n| --- | --- | --- |\n"
         "| `backend`, `torch.distributed` | `f`, `g` | `_mine` |\n"
         "| `type(model)` (its class) | `__call__` | `plan` |\n"
+        "| `keras_hub.x.Loader` | `f` | `_saving` |\n"
         "<!-- /patches -->\n"
     )
     assert doc_patches(str(doc)) == {
@@ -121,6 +145,7 @@ def test_the_doc_table_reader_finds_rows_and_misses(tmp_path):
         ("torch.distributed", "f"),
         ("torch.distributed", "g"),
         (MODEL_CLASS, "__call__"),
+        ("keras_hub.x.Loader", "f"),
     }
 
 

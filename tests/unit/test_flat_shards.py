@@ -85,3 +85,39 @@ def test_missing_gradients_are_zeros():
     layout = flat_shards.FlatLayout([(2, 3)], [0], [4], 2)
     flat = layout.scatter_input([None], torch.float32, "cpu")
     assert flat.shape == (12,) and not flat.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_in_without_padding_is_one_cat(monkeypatch, dtype):
+    """Shards that fill their pieces go in with one `torch.cat` (casting to
+    the buffer's dtype, as `copy_` does), the same bytes as shard by shard;
+    a rank with a padded piece copies shard by shard."""
+    generator = torch.Generator().manual_seed(1)
+    # A non-contiguous shard among them (a transposed view).
+    mine = [
+        torch.randn(4, 6, generator=generator),
+        torch.randn(3, 6, generator=generator).t(),
+        torch.randn(5, generator=generator),
+    ]
+    layout = flat_shards.FlatLayout(
+        [tuple(s.shape) for s in mine], [0, 1, 0], [8, 6, 10], 2
+    )
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(
+        torch, "cat", lambda *a, **k: cats.append(1) or real_cat(*a, **k)
+    )
+    flat = torch.zeros(layout.per_rank, dtype=dtype)
+    layout.copy_in(mine, flat)
+    assert cats == [1]
+    want = real_cat([s.reshape(-1) for s in mine]).to(dtype)
+    torch.testing.assert_close(flat, want, rtol=0, atol=0)
+
+    padded = flat_shards.FlatLayout([(3, 6)], [0], [7], 2)  # 4 rows a piece
+    flat = torch.zeros(padded.per_rank, dtype=dtype)
+    padded.copy_in([mine[0][:3]], flat)
+    assert cats == [1]
+    torch.testing.assert_close(
+        flat[:18], mine[0][:3].reshape(-1).to(dtype), rtol=0, atol=0
+    )
+    assert not flat[18:].any()

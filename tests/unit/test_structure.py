@@ -344,13 +344,21 @@ def test_the_private_attribute_check_finds_offenders(tmp_path):
 
 def _replacement_first_lines():
     """(patched attribute, first docstring line of its replacement) for
-    every entry of the patch table that wraps a Keras original."""
+    every entry of the patch table that wraps a Keras original (and of the
+    rows for libraries on Keras installed here)."""
     import functools
+    import importlib
 
     from keras_torch_distribution import _patches
 
+    table = _patches._patch_table()
+    for name, rows in _patches.after_import().items():
+        try:
+            table += rows(importlib.import_module(name))
+        except ImportError:  # a library on Keras not installed here
+            continue
     found = []
-    for patch in _patches._patch_table():
+    for patch in table:
         if not patch.wrap:
             continue
         replacement = patch.replacement

@@ -2,6 +2,10 @@
 torch's own DTensor rules and handlers, implicit replication off, gradient
 hooks off the parameters, and every state object cleared. No process group."""
 
+import os
+import subprocess
+import sys
+
 import keras
 import pytest
 import torch
@@ -9,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import keras_torch_distribution
 from keras_torch_distribution import _install
+from keras_torch_distribution import _patches
 from keras_torch_distribution._distributed import older_torch_rules
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._distributed import sharding_rules
@@ -144,3 +149,57 @@ def test_uninstall_removes_gradient_hooks_and_clears_state(reinstall):
     # Every state object has a clear() that uninstall calls.
     for state in _install._state_objects():
         assert callable(state.clear), state
+
+
+_KERAS_HUB_ROWS = """
+import sys
+import keras_torch_distribution
+from keras_torch_distribution import _install
+from keras_torch_distribution import _patches
+
+assert "keras_hub" not in sys.modules, "the package imported keras_hub"
+assert _install.after_imports in sys.meta_path
+from keras_hub.src.utils.transformers import safetensor_utils
+
+loader = safetensor_utils.SafetensorLoader
+assert loader.port_weight.__wrapped__.__module__ == safetensor_utils.__name__
+assert "enter_context" in vars(loader)  # ExitStack's, overridden
+assert safetensor_utils.__loader__.__module__ != _install.__name__
+assert _install.after_imports not in sys.meta_path  # nothing left to wait for
+keras_torch_distribution.uninstall()
+assert not hasattr(loader.port_weight, "__wrapped__")
+assert "enter_context" not in vars(loader)
+keras_torch_distribution.install()  # keras_hub imported: applied at once
+assert hasattr(loader.port_weight, "__wrapped__")
+print("ok")
+"""
+
+
+def test_keras_hub_rows_wait_for_its_import_and_come_out_again():
+    """The package never imports keras_hub; its rows are applied when
+    keras_hub imports the module, and taken out by uninstall()."""
+    pytest.importorskip("keras_hub")
+    env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch")
+    result = subprocess.run(
+        [sys.executable, "-c", _KERAS_HUB_ROWS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
+def test_a_library_without_what_its_rows_replace_is_left_alone():
+    import types
+
+    module = types.SimpleNamespace()  # no SafetensorLoader
+
+    def rows(module):
+        return [_patches.Patch(module.SafetensorLoader, "port_weight", print)]
+
+    installed = list(_install._installed)
+    with pytest.warns(UserWarning, match="cannot find .* in keras_hub.x"):
+        _install._apply_after_import("keras_hub.x", rows, module)
+    assert _install._installed == installed

@@ -121,9 +121,10 @@ def distribute_tensor(
     Inside a layer call (Keras relayouts a layer's output named
     `<layer path>/output` in a LayoutMap) the tensor is an activation: this
     replica's rows, already split along the batch axis. Its layout applies
-    on the other mesh axes; a dim the layout puts on the batch axis stays
-    whole (layouts never change numbers), and a tensor the rest of the
-    layout does not shard is returned as it is, or made whole.
+    on the other mesh axes (a DTensor on their mesh); a dim the layout puts
+    on the batch axis stays whole (layouts never change numbers), and a
+    tensor the rest of the layout does not shard is returned as it is, or
+    made whole.
 
     Args:
         tensor: `torch.Tensor` (or DTensor) to distribute.
@@ -151,6 +152,9 @@ def distribute_tensor(
         torch_layout = layouts.without_axis(torch_layout, batch_axis)
         if not torch_layout.is_sharded:
             return tensors.full_value(tensor)
+        # On the mesh of the other axes, where layers compute (see
+        # `layouts.compute_layout`).
+        torch_layout = layouts.compute_layout(torch_layout, batch_axis)
     return tensors.to_layout(tensor, torch_layout, what)
 
 

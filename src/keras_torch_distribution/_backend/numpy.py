@@ -18,11 +18,14 @@ backward is two matrix products. The same sums of the same products;
 only the order in which the hardware adds them may differ, as between any
 two GEMM calls.
 
-Other equations, operands that are not both plain tensors of one floating
-dtype (DTensors, int8), and every einsum while variables are sharded on
-the batch axis (FSDP's own einsum keeps its operands for regathering) go
-to the package's FSDP-aware einsum (`fsdp.einsum_grad`), which hands what
-it does not handle to Keras' own.
+Under FSDP too: the matrix product saves views of its operands (the
+flattened kernel is a view of the gathered one, never a copy), which the
+regathering recognises by their storage, as it does `fsdp.einsum_grad`'s
+saved operands (a keras_hub Llama FSDP step: 2,956 aten ops instead of
+3,388, the same 8 all-gathers). Other equations and operands that are not
+both plain tensors of one floating dtype (DTensors, int8) go to the
+package's FSDP-aware einsum (`fsdp.einsum_grad`), which hands what it does
+not handle to Keras' own.
 
 
 `power(x, 2)` (keras_hub's RMS norms: 9 in a 4-block Llama step): Keras
@@ -46,7 +49,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_torch_distribution._fsdp import einsum_grad
-from keras_torch_distribution._fsdp import gathering
 
 
 class MatmulPlan(NamedTuple):
@@ -85,7 +87,6 @@ def _plan_for(subscripts, a, b):
         or isinstance(b, DTensor)
         or a.dtype != b.dtype
         or not a.is_floating_point()
-        or gathering.plans_exist()
     ):
         return None
     # While compiling, the plan is worked out anew (dynamo traces through

@@ -13,8 +13,13 @@ Modules, bottom first (a module imports only those above it):
 - `layouts`: Keras `DeviceMesh` / `TensorLayout` onto torch meshes and
   placements.
 - `tensors`: plain tensors to and from DTensors of a layout.
+- `block_maps`: which block of a tensor a block of its transpose or
+  reshape needs.
+- `safetensors_file`: a safetensors file read box by box with positioned
+  reads (its header parsed here), not through a memory map.
 - `stored_values`: values of a weights file read when used (a sharded
-  variable reads only its block).
+  variable reads only its block): an HDF5 dataset, or a safetensors tensor
+  with the transposes and reshapes applied to it recorded.
 - `collectives`: the one bucketed flat collective (gradient averages, metric
   sums, broadcasts).
 - `replicas`: the batch axis: replicas, their process group, the current

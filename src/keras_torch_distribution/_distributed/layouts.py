@@ -43,6 +43,11 @@ class TorchMeshCache:
 
     def __init__(self):
         self._meshes = {}  # mesh_key -> (world group, torch mesh)
+        # (torch mesh, batch axis name) -> the mesh of its other axes, on
+        # which layers compute (`compute_layout`): one object per mesh, so
+        # that the DTensors layers make from different variables meet on
+        # the same mesh.
+        self._compute_meshes = {}
 
     def get(self, key, world_group):
         cached = self._meshes.get(key)
@@ -53,8 +58,34 @@ class TorchMeshCache:
     def put(self, key, world_group, mesh):
         self._meshes[key] = (world_group, mesh)
 
+    def compute_mesh(self, mesh, batch_axis):
+        """The submesh of `mesh` without its axis `batch_axis`, sliced once
+        (slicing reuses the mesh's process groups)."""
+        key = (mesh, batch_axis)
+        submesh = self._compute_meshes.get(key)
+        if submesh is None:
+            names = tuple(n for n in mesh.mesh_dim_names if n != batch_axis)
+            submesh = mesh[names[0] if len(names) == 1 else names]
+            self._compute_meshes[key] = submesh
+        return submesh
+
+    def on_full_mesh(self, mesh, placements):
+        """`(mesh, placements)` of a DTensor on a compute mesh
+        (`compute_mesh`) as the same layout on the mesh it was sliced
+        from, Replicate on the batch axis (each replica's own value); any
+        other mesh as it is."""
+        for (full, batch_axis), submesh in self._compute_meshes.items():
+            if submesh is mesh:
+                index = full.mesh_dim_names.index(batch_axis)
+                placements = tuple(placements)
+                return full, (
+                    placements[:index] + (Replicate(),) + placements[index:]
+                )
+        return mesh, placements
+
     def clear(self):
         self._meshes.clear()
+        self._compute_meshes.clear()
 
     def release_process_groups(self):
         """Let go of the (destroyed) process groups the cached meshes hold.
@@ -66,7 +97,8 @@ class TorchMeshCache:
         only when those objects are, during interpreter finalization.
         Called by the exit sequence, once the process group is destroyed.
         """
-        for _, mesh in self._meshes.values():
+        meshes = [mesh for _, mesh in self._meshes.values()]
+        for mesh in meshes + list(self._compute_meshes.values()):
             registry = getattr(mesh, "_pg_registry", None)
             if isinstance(registry, dict):
                 registry.clear()
@@ -261,6 +293,48 @@ def without_axis(
     placements[index] = Replicate()
     axes = tuple(_drop_name(entry, axis_name) for entry in torch_layout.axes)
     return TorchLayout(torch_layout.mesh, tuple(placements), axes)
+
+
+def compute_layout(
+    torch_layout: TorchLayout, batch_axis: str | None
+) -> TorchLayout:
+    """The layout a value of `torch_layout` has while layers compute with
+    it: on the mesh of the axes other than the batch axis, with their
+    placements (`torch_layout` as it is when its mesh has no batch axis or
+    no other axis).
+
+    The batch axis is data: processes at different coordinates of it
+    compute on different rows, so a layer's values differ along it. A
+    DTensor that held the batch axis would call them Replicate there, and
+    DTensor's sharding propagation may then choose to shard such a value
+    on that axis for an op (torch 2.13 picks (Shard(0), Shard(1)) for the
+    `threshold_backward` of a ReLU between two column-parallel Dense
+    layers: the slicing looks free) and to reduce or gather it over the
+    batch axis later, mixing the rows of different replicas into each
+    other's gradients. Without the axis, no collective of sharding
+    propagation can cross it; the batch axis' one reduction is the
+    gradient average (`_training.gradients`).
+
+    `torch_layout` must shard nothing on the batch axis (a variable sharded
+    there is gathered first: `_fsdp.gathering`)."""
+    names = tuple(torch_layout.mesh.mesh_dim_names or ())
+    if batch_axis not in names or len(names) == 1:
+        return torch_layout
+    index = names.index(batch_axis)
+    placement = torch_layout.placements[index]
+    if not isinstance(placement, Replicate):
+        raise ValueError(
+            f"compute_layout: the layout {tuple(torch_layout.axes)} places "
+            f"{placement} on the batch axis {batch_axis!r}; expected it "
+            "replicated there (a value sharded on the batch axis is gathered "
+            "along it before layers compute with it)."
+        )
+    mesh = torch_meshes.compute_mesh(torch_layout.mesh, batch_axis)
+    placements = (
+        torch_layout.placements[:index] + torch_layout.placements[index + 1 :]
+    )
+    axes = tuple(_drop_name(entry, batch_axis) for entry in torch_layout.axes)
+    return TorchLayout(mesh, tuple(placements), axes)
 
 
 def _drop_name(entry, name):

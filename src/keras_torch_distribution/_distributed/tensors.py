@@ -291,3 +291,31 @@ def _locally_contiguous(value):
         shape=value.shape,
         stride=value.stride(),
     )
+
+
+def for_compute(value, compute):
+    """`value`, a DTensor whose mesh holds the batch axis (replicated on
+    it), as the DTensor of `compute` (`layouts.compute_layout` of its
+    layout) that layers compute with: the same local block, on the mesh of
+    the other axes. Its gradient comes back in `value`'s layout (each
+    replica's own, averaged over the batch axis by the trainer); partial
+    sums over the other axes are reduced first (`from_local`'s backward
+    redistributes to the placements it was given). Not a collective in
+    forward; every rank runs backward.
+
+    `to_local` then `from_local`, DTensor's own differentiable moves
+    (SimpleFSDP's, which torch.compile traces), not an autograd Function
+    of the package's: with one, a compiled step (torch 2.13) handed the
+    optimizer a Conv2D kernel gradient whose local block was whole
+    (`test_batchnorm_cnn_on_2x2_mesh[jit]`)."""
+    if value.device_mesh is compute.mesh:
+        return value
+    local = value.to_local(grad_placements=value.placements)
+    return DTensor.from_local(
+        local,
+        compute.mesh,
+        compute.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )

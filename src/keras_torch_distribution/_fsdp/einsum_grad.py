@@ -12,9 +12,11 @@ block of a 2048-wide Llama).
 
 While variables are sharded on the batch axis (`gathering.plans_exist()`),
 Keras' torch `einsum` of two operands with an explicit output and plain
-subscripts runs as `_Einsum`: the same `torch.einsum` forward, with the two
-operands themselves saved (so a gathered kernel is a view that the
-regathering replaces by a token), and a backward of two einsums,
+subscripts that is not one matrix product (those run as one matmul,
+`_backend.numpy`, which saves views too) runs as `_Einsum`: the same
+`torch.einsum` forward, with the two operands themselves saved (so a
+gathered kernel is a view that the regathering replaces by a token), and
+a backward of two einsums,
 `grad_a = einsum("out,b->a", grad, b)` and `grad_b = einsum("out,a->b",
 grad, a)`. Other calls (one or three operands, ellipses, repeated or
 operand-only indices, compiling) go to Keras' own einsum.

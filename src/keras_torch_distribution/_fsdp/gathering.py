@@ -79,6 +79,9 @@ class GatherPlan:
     plain: bool  # nothing sharded once gathered: use a plain tensor
     axis: int  # the batch axis' index in the mesh
     dim: int  # the dim the batch axis shards
+    # The gathered value as layers compute with it: on the mesh of the
+    # other axes, with their placements (`layouts.compute_layout`).
+    compute: layouts.TorchLayout
     # Only Shard and Replicate placements, and no other axis shards `dim`:
     # the local shard is a `torch.chunk` piece of the gathered local
     # tensor, so it can travel in a group's flat all-gather (_fsdp.groups).
@@ -116,11 +119,12 @@ class GatherPlan:
 
     def as_model_dtensor(self, local: torch.Tensor) -> DTensor:
         """`local`, this rank's gathered block, as a DTensor of `gathered`
-        (sharded on the model axes only)."""
+        (sharded on the model axes only) on the mesh of those axes
+        (`compute`: the batch axis is data, see `layouts.compute_layout`)."""
         return DTensor.from_local(
             local,
-            self.mesh,
-            self.gathered,
+            self.compute.mesh,
+            self.compute.placements,
             run_check=False,
             shape=torch.Size(self.shape),
             stride=layouts.contiguous_stride(self.shape),
@@ -175,6 +179,9 @@ def plan_for(
     groupable = all(type(p) in (Shard, Replicate) for p in stored) and not any(
         isinstance(p, Shard) and p.dim == dim for p in others
     )
+    compute = layouts.compute_layout(
+        layouts.without_axis(torch_layout, batch_axis), batch_axis
+    )
     state.plans_exist = True
     return GatherPlan(
         mesh=torch_layout.mesh,
@@ -186,6 +193,7 @@ def plan_for(
         plain=all(isinstance(p, Replicate) for p in gathered),
         axis=index,
         dim=dim,
+        compute=compute,
         groupable=groupable,
     )
 

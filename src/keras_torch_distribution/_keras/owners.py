@@ -44,6 +44,9 @@ __all__ = [
     "EpochIterator",
     "CallbackList",
     "keras_file_utils_module",
+    "KERAS_HUB_SAFETENSORS_MODULE",
+    "keras_hub_safetensor_loader",
+    "keras_hub_safetensors_paths",
 ]
 
 keras_backend_module = keras_backend
@@ -69,3 +72,25 @@ CallbackList = callback_list.CallbackList
 # `makedirs`, which Keras' callbacks and saving look up as an attribute of
 # this module (`file_utils.makedirs(...)`) when they call it.
 keras_file_utils_module = file_utils
+
+# keras_hub's module whose `SafetensorLoader` ports a Hugging Face
+# checkpoint's tensors into the variables keras_hub builds (keras_hub, a
+# library on Keras, is never imported by this package): its rows of the
+# patch table are applied once keras_hub imports it (`_patches.after_import`).
+KERAS_HUB_SAFETENSORS_MODULE = (
+    "keras_hub.src.utils.transformers.safetensor_utils"
+)
+
+
+def keras_hub_safetensor_loader(module):
+    """keras_hub's `SafetensorLoader`, of its imported module
+    `KERAS_HUB_SAFETENSORS_MODULE`."""
+    return module.SafetensorLoader
+
+
+def keras_hub_safetensors_paths(module):
+    """The owner of the `get_file` keras_hub's `SafetensorLoader` calls for
+    a safetensors file's local path just before opening it: the imported
+    module `KERAS_HUB_SAFETENSORS_MODULE` itself (it calls `get_file(...)`
+    as a name of that module)."""
+    return module

@@ -53,6 +53,11 @@ def has_sharded_variables():
     return state.sharded_exist
 
 
+def is_sharded(variable):
+    """True where the variable holds a DTensor (its layout shards it)."""
+    return isinstance(_keras.raw_value(variable), DTensor)
+
+
 def enable_implicit_replication():
     """Let plain tensors meet DTensors as replicated values, process-wide
     while the package is installed, as a plain array meets a sharded one
@@ -107,10 +112,16 @@ def sharded_layout(variable):
     variable._ktd_layout = torch_layout
     variable._ktd_distributed = distribution is not None
     variable._ktd_gather = None
+    variable._ktd_compute = None
     if torch_layout is not None and distribution is not None:
+        batch_axis = distribution.batch_dim_name
         variable._ktd_gather = gathering.plan_for(
-            torch_layout, variable.shape, distribution.batch_dim_name
+            torch_layout, variable.shape, batch_axis
         )
+        if variable._ktd_gather is None:
+            compute = layouts.compute_layout(torch_layout, batch_axis)
+            if compute is not torch_layout:
+                variable._ktd_compute = compute
     return torch_layout
 
 
@@ -118,19 +129,29 @@ def value_for_use(original, variable, value):
     """Keras `Variable._maybe_autocast`, which every read of a variable's
     value goes through: inside a layer call, a variable sharded on the batch
     axis is gathered along it for use (see `_fsdp.gathering`), after Keras'
-    autocast (so mixed precision gathers in the compute dtype). Outside layer
-    calls, and while Keras traces shapes on the meta device, the stored value.
-    Under mixed precision the gather carries the compute dtype and the
-    gradient is reduced in the stored one (see `_fsdp.gathering`)."""
+    autocast (so mixed precision gathers in the compute dtype); a variable
+    whose mesh has a batch axis it is replicated on is used on the mesh of
+    the other axes (`layouts.compute_layout`: no collective of a layer
+    crosses the batch axis). Outside layer calls, and while Keras traces
+    shapes on the meta device, the stored value. Under mixed precision the
+    gather carries the compute dtype and the gradient is reduced in the
+    stored one (see `_fsdp.gathering`)."""
     raw, value = value, original(variable, value)
     plan = variable.__dict__.get("_ktd_gather")
+    compute = variable.__dict__.get("_ktd_compute")
     if (
-        plan is None
+        (plan is None and compute is None)
         or not isinstance(value, DTensor)
-        or tuple(value.placements) != plan.stored
         or _keras.in_outer_call()
         or str(_keras.torch_device()) == "meta"
     ):
+        return value
+    if plan is None:
+        stored = variable.__dict__.get("_ktd_layout")
+        if tuple(value.placements) != tuple(stored.placements):
+            return value
+        return tensors.for_compute(value, compute)
+    if tuple(value.placements) != plan.stored:
         return value
     return gathering.gather_for_use(value, plan, variable, raw)
 
@@ -246,11 +267,12 @@ def convert_for_assign(original, variable, value, dtype=None):
     that `direct_assign` slices it on the host and no device holds the
     whole value. Tensors and variables are converted as Keras does.
 
-    A value of a weights file read when used (`stored_values.StoredValue`)
-    stays unread for a sharded variable of its shape: `direct_assign` reads
-    only this rank's block. For any other variable it is read whole, as
-    Keras reads it."""
-    sharded = isinstance(_keras.raw_value(variable), DTensor)
+    A value of a weights file read when used (`stored_values`: a
+    `StoredValue` of a `.weights.h5` file, a `TensorFileValue` of a
+    safetensors file) stays unread for a sharded variable of its shape:
+    `direct_assign` reads only this rank's block. For any other variable
+    it is read whole, as Keras reads it."""
+    sharded = is_sharded(variable)
     if stored_values.is_stored_value(value):
         if sharded and tuple(value.shape) == tuple(variable.shape):
             return value

@@ -124,6 +124,14 @@ def gradient_layouts(model):
             continue
         placements = getattr(grad, "placements", None)
         mesh = getattr(grad, "device_mesh", None)
+        if mesh is not None:
+            # A gradient on the mesh layers compute on (without the batch
+            # axis: `layouts.compute_layout`), whose rank 0 slice holds
+            # ranks other than rank 0's: as the same layout on the whole
+            # mesh, so that every rank's block is found.
+            mesh, placements = layouts.torch_meshes.on_full_mesh(
+                mesh, placements
+            )
         found[id(v)] = (mesh, placements, grad.element_size())
     return found
 
