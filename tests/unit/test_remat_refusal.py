@@ -35,6 +35,4 @@ def test_elsewhere_remat_runs(monkeypatch, native, fsdp):
     monkeypatch.setattr(_keras, "NATIVE_TORCH_TRAINING", native)
     monkeypatch.setattr(gathering.state, "plans_exist", fsdp)
     remat.refuse_under_fsdp_on_keras_316()  # no error
-    torch.testing.assert_close(
-        _remat_gradient(), 2 * torch.cos(torch.ones(3))
-    )
+    torch.testing.assert_close(_remat_gradient(), 2 * torch.cos(torch.ones(3)))
