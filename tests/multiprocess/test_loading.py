@@ -164,22 +164,7 @@ def test_preset_loads_shard_by_shard(pool2, tmp_path, kind):
         results = pool2.run(_load_on_rank, kind, source, timeout=300)
         for rank, got in enumerate(results):
             where = f"{kind} {os.path.basename(source)} rank {rank}"
-            assert got["sharded"] >= 8, where
-            for name in ("weights", "loaded"):
-                assert got[name].keys() == weights.keys(), where
-                for path, value in weights.items():
-                    np.testing.assert_array_equal(
-                        got[name][path], value, err_msg=f"{where} {path}"
-                    )
-            np.testing.assert_allclose(
-                got["logits"], logits, rtol=1e-5, atol=1e-5, err_msg=where
-            )
-            # Read: what the rank keeps, nothing of the others' blocks.
-            assert got["read"] <= got["kept"] + got["largest_block"], (
-                where,
-                got["read"],
-                got["kept"],
-            )
+            _assert_loaded_exactly(got, weights, logits, where)
             assert got["read"] < sum(w.nbytes for w in weights.values())
             # No whole copy of a sharded variable on the way to its block
             # (load_model also builds the model: its Python objects).
@@ -473,22 +458,7 @@ def test_hugging_face_checkpoint_loads_shard_by_shard(pool2, tmp_path, kind):
     for rank, by_source in enumerate(results):
         for source, got in by_source.items():
             where = f"{kind} {source} rank {rank}"
-            assert got["sharded"] >= 8, where
-            for name in ("weights", "loaded"):
-                assert got[name].keys() == weights.keys(), where
-                for path, value in weights.items():
-                    np.testing.assert_array_equal(
-                        got[name][path], value, err_msg=f"{where} {path}"
-                    )
-            np.testing.assert_allclose(
-                got["logits"], logits, rtol=1e-5, atol=1e-5, err_msg=where
-            )
-            # Read: what the rank keeps, nothing of the others' blocks.
-            assert got["read"] <= got["kept"] + got["largest_block"], (
-                where,
-                got["read"],
-                got["kept"],
-            )
+            _assert_loaded_exactly(got, weights, logits, where)
             # No whole copy of a tensor on the way to its block.
             bound = max(got["largest_block"], got["largest_replicated"]) + SLACK
             assert bound < largest_whole, (where, bound, largest_whole)
@@ -510,3 +480,26 @@ def test_hugging_face_checkpoint_loads_shard_by_shard(pool2, tmp_path, kind):
                     mapped_bound,
                     got["file_bytes"],
                 )
+
+
+def _assert_loaded_exactly(got, weights, logits, where):
+    """A rank's load (`_load_on_rank`, `_load_hf_on_rank`): its sharded
+    variables, every value equal to one process's (after building and
+    after `load_weights`), its logits one process's, and only what it
+    keeps read from the file (plus one block)."""
+    assert got["sharded"] >= 8, where
+    for name in ("weights", "loaded"):
+        assert got[name].keys() == weights.keys(), where
+        for path, value in weights.items():
+            np.testing.assert_array_equal(
+                got[name][path], value, err_msg=f"{where} {path}"
+            )
+    np.testing.assert_allclose(
+        got["logits"], logits, rtol=1e-5, atol=1e-5, err_msg=where
+    )
+    # Read: what the rank keeps, nothing of the others' blocks.
+    assert got["read"] <= got["kept"] + got["largest_block"], (
+        where,
+        got["read"],
+        got["kept"],
+    )
