@@ -147,7 +147,10 @@ def _patch_table():
         Patch(k.Layer, "__call__", boundary.layer_call, wrap=True),
         # Rematerialization: the recompute replays the forward's layer calls
         # in the forward's Keras call context (inner calls, not outermost).
-        Patch(k.torch_core_module, "remat", remat.remat, wrap=True),
+        *[
+            Patch(owner, "remat", remat.remat, wrap=True)
+            for owner in k.REMAT_OWNERS
+        ],
         # RematScope("larger_than") decides on the global batch's output.
         Patch(
             k.Operation,

@@ -48,6 +48,7 @@ __all__ = [
     "TorchEpochIterator",
     "CONVERT_TO_NUMPY_OWNERS",
     "CONVERT_TO_TENSOR_OWNERS",
+    "REMAT_OWNERS",
     "keras_saving_lib_module",
     "H5IOStore",
     "KERAS_FILE_STORES",
@@ -163,6 +164,16 @@ CONVERT_TO_TENSOR_OWNERS = tuple(
     module
     for module in _torch_backend_modules()
     if module.__dict__.get("convert_to_tensor") is torch_core.convert_to_tensor
+)
+
+# Every module that binds the torch backend's `remat`: 3.15's
+# `backend.torch.core`; 3.16's `backend.torch.ops.core` and the
+# `backend.torch.ops` package (a star import), whose `remat` is the one
+# `keras.remat` and `RematScope` call (`backend.ops.remat`).
+REMAT_OWNERS = tuple(
+    module
+    for module in _torch_backend_modules()
+    if module.__dict__.get("remat") is torch_core.remat
 )
 
 # `is_memory_sufficient` and `_load_model_from_fileobj`, which `saving_lib`
