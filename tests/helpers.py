@@ -174,9 +174,12 @@ def assert_error(found, kind, pattern):
     assert re.search(pattern, found[1], re.S), found[1]
 
 
-def model_parallel(devices, rules, shape=None, axis_names=("model",)):
+def model_parallel(
+    devices, rules, shape=None, axis_names=("model",), batch_dim_name=None
+):
     """ModelParallel over `devices` on a mesh of `shape` (default: all of
-    them on one axis), with a LayoutMap of {pattern: axes} `rules`."""
+    them on one axis), with a LayoutMap of {pattern: axes} `rules`, its
+    batch axis `batch_dim_name` (default: Keras', the mesh's first)."""
     import keras
 
     mesh = keras.distribution.DeviceMesh(
@@ -185,7 +188,11 @@ def model_parallel(devices, rules, shape=None, axis_names=("model",)):
     layout_map = keras.distribution.LayoutMap(mesh)
     for pattern, axes in rules.items():
         layout_map[pattern] = axes
-    return keras.distribution.ModelParallel(layout_map=layout_map)
+    if batch_dim_name is None:
+        return keras.distribution.ModelParallel(layout_map=layout_map)
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name=batch_dim_name
+    )
 
 
 # ---------------------------------------------------------------------------

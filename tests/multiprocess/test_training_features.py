@@ -19,6 +19,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import helpers  # noqa: E402
+
 ROWS, BATCH = 32, 8
 TOL = dict(rtol=2e-5, atol=2e-5)
 MESHES = {"tp": (1, 2), "fsdp": (2, 1), "2d": (2, 2)}
@@ -38,16 +40,13 @@ def _distribute(kind):
     if kind == "dp":
         keras.distribution.set_distribution(keras.distribution.DataParallel())
         return
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh(
-        MESHES[kind], ["batch", "model"], devices
-    )
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for pattern, axes in RULES.items():
-        layout_map[pattern] = axes
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name="batch"
+        helpers.model_parallel(
+            keras.distribution.list_devices(),
+            RULES,
+            MESHES[kind],
+            ("batch", "model"),
+            batch_dim_name="batch",
         )
     )
 

@@ -25,6 +25,8 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import helpers  # noqa: E402
+
 ROWS, BATCH = 16, 8
 TOL = dict(rtol=1e-5, atol=1e-5)
 COLUMN, ROW = (None, "model"), ("model", None)
@@ -80,14 +82,13 @@ def _distribute(rules):
     if rules is None:
         keras.distribution.set_distribution(keras.distribution.DataParallel())
         return
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in rules.items():
-        layout_map[key] = axes
     keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name="batch"
+        helpers.model_parallel(
+            keras.distribution.list_devices(),
+            rules,
+            (2, 2),
+            ("batch", "model"),
+            batch_dim_name="batch",
         )
     )
 
