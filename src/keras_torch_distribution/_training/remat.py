@@ -39,16 +39,13 @@ import keras
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution._batch import adapter
-from keras_torch_distribution._fsdp import gathering
 
 
 def remat(original, f):
     """Keras' torch `backend.core.remat`: `f` rematerialized, its recompute
-    run in the Keras call context of its forward. Refused under FSDP on
-    Keras 3.16 (`refuse_under_fsdp_on_keras_316`)."""
+    run in the Keras call context of its forward."""
 
     def wrapped(*args, **kwargs):
-        refuse_under_fsdp_on_keras_316()
         context = _keras.current_call_context()
 
         def replay(*a, **k):
@@ -58,26 +55,6 @@ def remat(original, f):
         return original(replay)(*args, **kwargs)
 
     return wrapped
-
-
-def refuse_under_fsdp_on_keras_316():
-    """Raise where rematerialization cannot be trusted: under FSDP
-    (variables sharded on the batch axis) on Keras 3.16, whose torch
-    training differs (`_keras.NATIVE_TORCH_TRAINING`). Measured on the
-    3.16 nightly: "full" and "larger_than" fail in backward with torch's
-    `CheckpointError` (a different number of tensors saved in the
-    recompute), and "list_of_layers" gives another loss than one process;
-    DataParallel and tensor parallelism give one process's numbers."""
-    if _keras.NATIVE_TORCH_TRAINING and gathering.plans_exist():
-        raise NotImplementedError(
-            f"keras.RematScope / keras.remat under FSDP (variables sharded on "
-            f"the batch axis) is not supported with Keras {keras.__version__}"
-            ": its recompute does not match the forward there (it is with "
-            "Keras 3.15). Use Keras 3.15 (pip install 'keras==3.15.1'), or "
-            "rematerialize under DataParallel or tensor parallelism (no "
-            "layout of the LayoutMap on the batch axis), or train without "
-            "RematScope."
-        )
 
 
 def rematerialized_call(original, operation, fn, *args, **kwargs):
