@@ -66,6 +66,31 @@ def job_env(keep_backend=False, **extra):
     return env
 
 
+def each_case(names, run):
+    """{name: run(name)} for each of `names`, each in a fresh Keras session
+    with no distribution set first; a case that raises gives ("error", its
+    type and message, its traceback) and the others go on (a pool call
+    reports every failing case by name)."""
+    import traceback
+
+    import keras
+
+    results = {}
+    for name in names:
+        keras.distribution.set_distribution(None)
+        keras.backend.clear_session()
+        try:
+            results[name] = run(name)
+        except Exception as error:  # reported by name, the others go on
+            results[name] = (
+                "error",
+                f"{type(error).__name__}: {error}",
+                traceback.format_exc(),
+            )
+    keras.distribution.set_distribution(None)
+    return results
+
+
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -10,7 +10,6 @@ that fails is reported by name, with the others' results).
 """
 
 import os
-import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -584,21 +583,12 @@ def _run(kind, names):
     """Each feature of `names` under distribution `kind` (None: one
     process): its result, or ("error", the exception's type and message,
     its traceback)."""
-    results = {}
-    for name in names:
-        keras.distribution.set_distribution(None)
-        keras.backend.clear_session()
-        try:
-            _distribute(kind)
-            results[name] = FEATURES[name]()
-        except Exception as error:  # reported by name, the others go on
-            results[name] = (
-                "error",
-                f"{type(error).__name__}: {error}",
-                traceback.format_exc(),
-            )
-    keras.distribution.set_distribution(None)
-    return results
+
+    def run(name):
+        _distribute(kind)
+        return FEATURES[name]()
+
+    return helpers.each_case(names, run)
 
 
 _references = {}

@@ -18,7 +18,6 @@ CI time: one pool call trains every case.
 """
 
 import os
-import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -105,22 +104,13 @@ def _train():
 def train_cases(names, distributed=True):
     """The weights of each case of `names` trained under its layouts (one
     process: `distributed=False`), or ("error", message, traceback)."""
-    results = {}
-    for name in names:
-        keras.distribution.set_distribution(None)
-        keras.backend.clear_session()
-        try:
-            if distributed:
-                _distribute(CASES[name])
-            results[name] = _train()
-        except Exception as error:  # reported by name, the others go on
-            results[name] = (
-                "error",
-                f"{type(error).__name__}: {error}",
-                traceback.format_exc(),
-            )
-    keras.distribution.set_distribution(None)
-    return results
+
+    def run(name):
+        if distributed:
+            _distribute(CASES[name])
+        return _train()
+
+    return helpers.each_case(names, run)
 
 
 def test_layouts_on_2x2_give_one_process_weights(pool4):
