@@ -37,6 +37,12 @@ variable, the value and what is accepted:
   Keras' own torch ops and steps (no copy from the host for a Python
   number, einsum as a matrix product, the cross-entropy on rows; each
   gives Keras' numbers); "0" leaves Keras' own everywhere.
+- KTD_FLOAT8_MATMUL: Keras' float8 `Dense` / `EinsumDense` matrix
+  products: "auto" (default) as `torch._scaled_mm` on float8 operands where
+  the GPU has float8 (CUDA compute capability 8.9 or more; Keras'
+  fake-quantized float matmul elsewhere); "0" Keras' fake-quantized matmul
+  everywhere; "1" `torch._scaled_mm` wherever torch offers it (the CPU of
+  torch>=2.13 too: tests).
 - KTD_MAX_RESTARTS: how many times the local processes `initialize()`
   starts are started again after one of them fails (torchrun's
   --max-restarts for them), an integer >= 0; default 0.
@@ -243,6 +249,23 @@ def fast_ops():
     return text.strip() == "1"
 
 
+FLOAT8_MATMUL_CHOICES = ("auto", "0", "1")
+
+
+def float8_matmul():
+    """KTD_FLOAT8_MATMUL: "auto" (default), "0" or "1"."""
+    text = os.environ.get("KTD_FLOAT8_MATMUL", "auto")
+    if text.strip().lower() not in FLOAT8_MATMUL_CHOICES:
+        raise ValueError(
+            f"KTD_FLOAT8_MATMUL={text!r} is not a float8 matmul choice: set "
+            "auto (the default: torch._scaled_mm on float8 operands where the "
+            "GPU has float8, Keras' fake-quantized matmul elsewhere), 0 "
+            "(Keras' fake-quantized matmul everywhere) or 1 (torch._scaled_mm "
+            "wherever torch offers it), or unset it."
+        )
+    return text.strip().lower()
+
+
 def max_restarts():
     """KTD_MAX_RESTARTS as an int >= 0 (default 0)."""
     text, value = _number("KTD_MAX_RESTARTS", int, 0)
@@ -275,6 +298,7 @@ SETTINGS = (
     ("KTD_FSDP_GROUP", "block", fsdp_group),
     ("KTD_FSDP_PREFETCH", "1 on CUDA, 0 on CPU", lambda: fsdp_prefetch(0)),
     ("KTD_FAST_OPS", "1", fast_ops),
+    ("KTD_FLOAT8_MATMUL", "auto", float8_matmul),
 )
 
 

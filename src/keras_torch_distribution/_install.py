@@ -18,6 +18,7 @@ import keras
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import _saving
+from keras_torch_distribution._backend import float8 as backend_float8
 from keras_torch_distribution._batch import position
 from keras_torch_distribution._distributed import layouts
 from keras_torch_distribution._distributed import replicas
@@ -35,6 +36,7 @@ from keras_torch_distribution._training import compiled
 from keras_torch_distribution._training import gradients
 from keras_torch_distribution._training import metric_states
 from keras_torch_distribution._training import optimizer_update
+from keras_torch_distribution._training import reductions
 from keras_torch_distribution._training import regions
 from keras_torch_distribution._training import replica_start
 from keras_torch_distribution._variables import born_sharded
@@ -285,6 +287,8 @@ def _state_objects():
         after_imports,  # rows waiting for their library's import
         # overlapped reducers and their gradient hooks
         gradients.optimizer_sync,
+        reductions.state,  # whether the step in progress shares its loss
+        backend_float8.probes,  # where torch._scaled_mm runs
         metric_states.state,  # models whose metric states fold, the last sum
         compiled.compiled_forwards,
         regions.compiled_blocks_state,

@@ -26,7 +26,9 @@ from keras_torch_distribution._fsdp import einsum_grad
 from keras_torch_distribution._training import batch_logs
 from keras_torch_distribution._training import boundary
 from keras_torch_distribution._training import compiled
+from keras_torch_distribution._training import float8
 from keras_torch_distribution._training import optimizer_update
+from keras_torch_distribution._training import reductions
 from keras_torch_distribution._training import regions
 from keras_torch_distribution._training import remat
 from keras_torch_distribution._training import replica_start
@@ -203,6 +205,12 @@ def _patch_table():
         Patch(
             k.torch_random_module, "randint", random_slices.randint, wrap=True
         ),
+        # Keras' float8 layers: one process's bias gradients under every
+        # distribution; float8 matrix products where the GPU has them.
+        Patch(k.Dense, "_float8_call", float8.dense_call, wrap=True),
+        Patch(
+            k.EinsumDense, "_float8_call", float8.einsum_dense_call, wrap=True
+        ),
         # Moments over the global batch (all replicas' rows).
         Patch(
             k.BatchNormalization, "_moments", sync_batch_norm.moments, wrap=True
@@ -221,6 +229,15 @@ def _patch_table():
         # every rank skips or applies the same step.
         Patch(
             k.LossScaleOptimizer, "apply", trainer.optimizer_apply, wrap=True
+        ),
+        # The loss each replica backpropagates: its share of the global
+        # batch's (the gradients are then summed).
+        Patch(k.BaseOptimizer, "scale_loss", reductions.scale_loss, wrap=True),
+        Patch(
+            k.LossScaleOptimizer,
+            "scale_loss",
+            reductions.scale_loss,
+            wrap=True,
         ),
         Patch(
             k.TorchAdam,

@@ -16,6 +16,8 @@ Modules, bottom first (a module imports only those above it):
   filled on the device, host batches through pinned memory).
 - `numpy`: `einsum` as one matrix product where the equation is one.
 - `nn`: `sparse_categorical_crossentropy` on rows, the class dim last.
+- `float8`: Keras' float8 matrix product (Dense, EinsumDense) as
+  `torch._scaled_mm` on float8 operands, with Keras' delayed scales.
 
 `core`, `numpy` and `nn` are the fast ops: each gives Keras' numbers, and
 KTD_FAST_OPS=0 leaves Keras' own in place.

@@ -135,6 +135,11 @@ class BatchWeight:
     def __init__(self) -> None:
         self.value = 1.0
         self.rows = None
+        # True while a train step runs whose loss each replica scales to
+        # its share of the global batch's loss before backward (`value` /
+        # replicas: `_training.reductions.scale_loss`): its gradients are
+        # then summed over the replicas, not averaged (`gradient_factor`).
+        self.loss_share = False
 
     def set(
         self, value: float, rows: tuple[int, int, int] | None = None
@@ -148,6 +153,7 @@ class BatchWeight:
     def forget(self) -> None:
         self.value = 1.0
         self.rows = None
+        self.loss_share = False
 
     clear = forget
 
@@ -158,3 +164,22 @@ batch_weight = BatchWeight()
 def batch_scale() -> float:
     """The current batch's weight (see BatchWeight)."""
     return batch_weight.value
+
+
+def gradient_factor(count: int) -> float:
+    """What this replica's gradient is multiplied by before the sum over
+    `count` replicas (the ranks of the batch axis): 1.0 when the step's
+    loss was scaled to the replica's share of the global batch before
+    backward (`BatchWeight.loss_share`: the sum is one process's
+    gradient), else the batch's weight over `count` (the mean, a last,
+    uneven batch's rows weighted). The one factor every gradient reduction
+    over the batch axis applies (the all-reduce, overlapped or not, FSDP's
+    reduce-scatter)."""
+    if batch_weight.loss_share:
+        return 1.0
+    return batch_weight.value / count
+
+
+def uniform_gradient_factor() -> bool:
+    """Whether `gradient_factor` is the same on every replica this step."""
+    return batch_weight.loss_share or batch_weight.value == 1.0

@@ -100,7 +100,7 @@ class GatherPlan:
         value when `value` is its autocast (mixed precision): then the
         gather carries `value`'s dtype and the gradient is reduced in
         `raw`'s (`_LowGatherFullReduce`). Collective: call on every rank."""
-        factor = replicas.batch_scale() / self.replicas
+        factor = replicas.gradient_factor(self.replicas)
         if (
             raw is not None
             and raw.dtype != value.dtype

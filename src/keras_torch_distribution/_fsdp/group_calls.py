@@ -198,11 +198,10 @@ class _GroupCall:
         source = _BucketSource(bucket, stored, flat.dtype)
         self.sources[b] = source
         if torch.is_grad_enabled() and any(s.requires_grad for s in stored):
-            weight = replicas.batch_scale()
-            factor = weight / bucket.ranks
-            # 1.0 on every rank unless the batch is split unevenly (a last
-            # partial batch), where each rank has its own.
-            uniform = weight == 1.0
+            factor = replicas.gradient_factor(bucket.ranks)
+            # The same on every rank unless the batch is split unevenly (a
+            # last partial batch), where each rank has its own.
+            uniform = replicas.uniform_gradient_factor()
             outputs = _GroupGather.apply(source, flat, factor, uniform, *stored)
             if bucket.lookup_eligible:
                 self.lookups[id(outputs[0])] = (

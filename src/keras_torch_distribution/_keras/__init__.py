@@ -108,6 +108,19 @@ def raw_value(variable):
     return getattr(variable, "_value", None)
 
 
+def layer_kernel(layer):
+    """The kernel variable of a Dense / EinsumDense layer (`_kernel`: the
+    float kernel, or the quantized one after `quantize`)."""
+    return layer._kernel
+
+
+def overwritten_with_gradient(variable):
+    """True for a variable Keras' optimizers overwrite with its gradient
+    (`overwrite_with_gradient`: the float8 layers' scales and amax
+    histories, whose "gradient" is their new value), not update from it."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
 def raw_value_version(variable):
     """The torch version counter of a variable's stored tensor: every
     `assign` (an in-place copy) moves it on."""

@@ -32,6 +32,8 @@ __all__ = [
     "Distribution",
     "torch_random_module",
     "BatchNormalization",
+    "Dense",
+    "EinsumDense",
     "Layer",
     "Operation",
     "Model",
@@ -58,6 +60,8 @@ torch_numpy_module = torch_numpy
 Distribution = keras_distribution_lib.Distribution
 torch_random_module = torch_random
 BatchNormalization = batch_normalization.BatchNormalization
+Dense = keras.layers.Dense
+EinsumDense = keras.layers.EinsumDense
 Layer = keras_layer.Layer
 Operation = keras_operation.Operation
 Model = keras_model.Model

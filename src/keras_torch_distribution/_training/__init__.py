@@ -17,6 +17,12 @@ Modules, bottom first (a module imports only those above it):
   or the outermost call under a distribution.
 - `metric_states`: metric states summed over replicas, in the gradient
   all-reduce when it has one.
+- `float8`: Keras' float8 layers: their matrix products as
+  `torch._scaled_mm` where the GPU has float8, their bias gradient
+  rounded after the replicas' sum.
+- `reductions`: how the replicas' gradients combine (sum of the
+  replicas' shares of the loss, mean, or the maximum for variables
+  overwritten with their gradient: float8 scales and amax histories).
 - `gradients`: gradients aligned with their variables' layouts and averaged
   over the replicas (the step's metric states riding along).
 - `call_agreement`: ranks agree on a fit / evaluate / predict call before

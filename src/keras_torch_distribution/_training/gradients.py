@@ -3,8 +3,10 @@
 Each replica's backward leaves gradients of its own rows. Before the
 optimizer step, gradients are put in their variable's layout (`align`: a
 sharded variable's gradient takes its placements, a plain variable's
-gradient is made whole), then averaged over the batch process group
-(`synchronize`): overlapped with backward (`overlap`) when every trainable
+gradient is made whole), then combined over the batch process group
+(`synchronize`: summed as shares of the global batch's loss, or averaged;
+the maximum for variables overwritten with their gradient, `reductions`):
+overlapped with backward (`overlap`) when every trainable
 variable is a plain tensor, else in flat buckets (`collectives.all_reduce`)
 with the step's metric states riding along (`metric_states`). Gradients of
 FSDP variables arrive reduce-scattered by their gather's backward.
@@ -19,8 +21,10 @@ from keras_torch_distribution._distributed import collectives
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._distributed import tensors
 from keras_torch_distribution._fsdp import gathering
+from keras_torch_distribution._training import float8
 from keras_torch_distribution._training import metric_states
 from keras_torch_distribution._training import overlap
+from keras_torch_distribution._training import reductions
 from keras_torch_distribution._variables import born_sharded
 
 
@@ -67,10 +71,12 @@ optimizer_sync = OptimizerSync()
 
 
 def synchronize(optimizer, grads, variables, group):
-    """Average the aligned `grads` of `variables` over the replicas of
-    `group` (overlapped with backward when the optimizer's reducer already
-    did it); the step's metric states ride along. Collective: call on every
-    rank.
+    """Combine the aligned `grads` of `variables` over the replicas of
+    `group` as `reductions.reduction` says: the maximum for variables
+    overwritten with their gradient, else the sum (of gradients of the
+    replicas' shares of the loss) or the mean, overlapped with backward
+    when the optimizer's reducer already did it; the step's metric states
+    ride along. Collective: call on every rank.
 
     Under gradient accumulation every micro-step's gradient is averaged
     (as without accumulation), so the accumulators Keras adds it to hold
@@ -79,6 +85,15 @@ def synchronize(optimizer, grads, variables, group):
     (Accumulating local gradients and averaging once per update, as DDP's
     `no_sync` does, saves the micro-steps' all-reduces but leaves each
     rank its own partial sums.)"""
+    reductions.check_shared()
+    grads, variables = _max_of_overwritten(grads, variables, group)
+    _sum_or_mean(optimizer, grads, variables, group)
+    float8.round_after_sum(grads, variables)
+
+
+def _sum_or_mean(optimizer, grads, variables, group):
+    """The sum (or mean) over the replicas of `grads`: overlapped, or in
+    flat buckets with the metric states. Collective: call on every rank."""
     reducer = _overlapped_reducer(optimizer, variables, group)
     if reducer is not None and reducer.finish(grads):
         return
@@ -96,11 +111,30 @@ def synchronize(optimizer, grads, variables, group):
     collectives.all_reduce(
         local,
         group.group,
-        replicas.batch_scale() / group.count,
+        replicas.gradient_factor(group.count),
         unscaled=folded[2] if folded else (),
     )
     if folded:
         metric_states.record(folded, group)
+
+
+def _max_of_overwritten(grads, variables, group):
+    """The gradients of variables overwritten with their gradient (float8
+    scales and amax histories) made their maximum over the replicas
+    (`reductions`); the other gradients and variables returned, for the
+    sum. Collective: call on every rank."""
+    overwritten = [reductions.reduction(v) == reductions.MAX for v in variables]
+    if not any(overwritten):
+        return grads, variables
+    reductions.max_over_replicas(
+        [g for g, o in zip(grads, overwritten) if o],
+        [v for v, o in zip(variables, overwritten) if o],
+        group,
+    )
+    return (
+        [g for g, o in zip(grads, overwritten) if not o],
+        [v for v, o in zip(variables, overwritten) if not o],
+    )
 
 
 def _overlapped_reducer(optimizer, variables, group):

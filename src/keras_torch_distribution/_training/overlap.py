@@ -68,7 +68,7 @@ class OverlappedReducer:
             for p in self.buckets[index]
         ]
         self.works[index] = collectives.FlatBucket(pieces).all_reduce(
-            self.group, replicas.batch_scale() / self.count, async_op=True
+            self.group, replicas.gradient_factor(self.count), async_op=True
         )
 
     def finish(self, grads):

@@ -18,7 +18,8 @@ Replaces, through the seam, Keras' `make_train_function` /
 `make_step_function`: it wraps the step function `compiled` makes, once,
 in the one wrapper every step kind gets under a distribution (copies
 made equal first; a train step of Keras' own `train_step` lets go of the
-last step's gradients before its forward, not after it; for predict, the
+last step's gradients before its forward, not after it, and shares the
+loss (`reductions.sharing_the_loss`); for predict, the
 predictions of every replica gathered by `trainer`).
 """
 
@@ -31,6 +32,7 @@ from keras_torch_distribution import _keras
 from keras_torch_distribution._log import logger
 from keras_torch_distribution._processes import runtime
 from keras_torch_distribution._training import compiled
+from keras_torch_distribution._training import reductions
 from keras_torch_distribution._training import trainer
 from keras_torch_distribution._variables import copies
 
@@ -68,6 +70,7 @@ def make_step_function(kind, original, model, force=False):
     model_ref = weakref.ref(model)
     gathers = kind == "predict"
     clears_gradients = kind == "train" and _keras.uses_keras_train_step(model)
+    shares_loss = clears_gradients
 
     def distributed_step(data):
         owner = model_ref()
@@ -96,7 +99,13 @@ def make_step_function(kind, original, model, force=False):
             # gathered weights and activations (a gradient's worth less at
             # the peak; on JAX no gradient outlives its step either).
             owner.zero_grad(set_to_none=True)
-        outputs = function(data)
+        if shares_loss and owner is not None:
+            # The loss scaled to this replica's share of the global batch's
+            # before backward, the gradients summed (`reductions`).
+            with reductions.sharing_the_loss(owner):
+                outputs = function(data)
+        else:
+            outputs = function(data)
         return trainer.gather_predictions(outputs) if gathers else outputs
 
     distributed_step.__dict__.update(function.__dict__)  # the _ktd_* marks

@@ -89,6 +89,10 @@ def left_whole(model_variables, distribution):
             layouts.resolved_layout(variable) is not None
             or not getattr(variable, "_ktd_distributed", False)
             or _keras.raw_value(variable) is None
+            # float8 scales and amax histories: their new values are the
+            # maximum over the replicas, which a sharded gradient cannot
+            # give (`_training.reductions`); small in any real model.
+            or _keras.overwritten_with_gradient(variable)
         ):
             continue
         nbytes = born_sharded.local_bytes(variable)
