@@ -531,6 +531,37 @@ def quantize():
     )
 
 
+# --- quantized training -----------------------------------------------------
+
+
+def float8():
+    """quantize("float8"), then fit: the losses, kernels and biases, and
+    every scale and amax history (Keras' float8 layers overwrite them with
+    their "gradient": the maximum over the replicas, one process's)."""
+    model = _mlp()
+    model.quantize("float8")
+    return _fit_logs(_compiled(model=model))
+
+
+def _qlora(mode):
+    """quantize(mode), LoRA (rank 2) on every Dense, then fit: the losses,
+    the LoRA factors and biases, the quantized kernels and scales
+    (unchanged)."""
+    model = _mlp()
+    model.quantize(mode)
+    for layer in _layers():
+        model.get_layer(layer.name).enable_lora(2)
+    return _fit_logs(_compiled(model=model))
+
+
+def qlora_int8():
+    return _qlora("int8")
+
+
+def qlora_int4():
+    return _qlora("int4")
+
+
 FEATURES = {
     "steps_per_execution": steps_per_execution,
     "class_weight": class_weight,
@@ -549,6 +580,9 @@ FEATURES = {
     "frozen_layer": frozen_layer,
     "custom_train_step": custom_train_step,
     "quantize": quantize,
+    "float8": float8,
+    "qlora_int8": qlora_int8,
+    "qlora_int4": qlora_int4,
     "accumulation": accumulation,
     "loss_scale_overflow": loss_scale_overflow,
     "loss_scale_overflow_jit": loss_scale_overflow_jit,
@@ -574,6 +608,8 @@ UNDER = {
 }
 # float16 compute: sums in another order differ in the last bits.
 TOLERANCES = {
+    # issue 47's bar: every scale and amax history within 1e-5.
+    "float8": dict(rtol=1e-5, atol=1e-5),
     "loss_scale_overflow": dict(rtol=1e-2, atol=1e-3),
     "loss_scale_overflow_jit": dict(rtol=1e-2, atol=1e-3),
 }

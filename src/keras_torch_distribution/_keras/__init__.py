@@ -102,6 +102,15 @@ def layout_map_layouts(distribution):
     return list(layout_map.values()) if layout_map is not None else []
 
 
+def layout_map_layout(distribution, path):
+    """The TensorLayout a ModelParallel's LayoutMap gives the variable path
+    `path` (Keras' lookup: the exact key, else the one key that matches it
+    whole as a regular expression); None when none does or the
+    distribution has no LayoutMap."""
+    layout_map = getattr(distribution, "_layout_map", None)
+    return None if layout_map is None else layout_map[path]
+
+
 def raw_value(variable):
     """A variable's stored tensor (no autocast, no stateless scope); None
     before it is initialized."""

@@ -24,6 +24,7 @@ from keras_torch_distribution._distributed import tensors
 from keras_torch_distribution._fsdp import gathering
 from keras_torch_distribution._log import warn_once
 from keras_torch_distribution._variables import copies
+from keras_torch_distribution._variables import lora_layouts
 from keras_torch_distribution._variables import sharded_init
 
 
@@ -88,7 +89,9 @@ def sharded_layout(variable):
     if layout is None:
         distribution = _keras.current_distribution()
         if distribution is not None:
-            layout = distribution.get_variable_layout(variable)
+            layout = lora_layouts.derived_layout(
+                distribution, variable
+            ) or distribution.get_variable_layout(variable)
             _keras.set_variable_layout(variable, layout)
     torch_layout = None
     if isinstance(layout, layouts.TorchLayout):
