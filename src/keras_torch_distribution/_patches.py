@@ -28,6 +28,7 @@ from keras_torch_distribution._training import boundary
 from keras_torch_distribution._training import compiled
 from keras_torch_distribution._training import float8
 from keras_torch_distribution._training import optimizer_update
+from keras_torch_distribution._training import quantized
 from keras_torch_distribution._training import reductions
 from keras_torch_distribution._training import regions
 from keras_torch_distribution._training import remat
@@ -210,6 +211,15 @@ def _patch_table():
         Patch(k.Dense, "_float8_call", float8.dense_call, wrap=True),
         Patch(
             k.EinsumDense, "_float8_call", float8.einsum_dense_call, wrap=True
+        ),
+        # Keras' int8 layers under FSDP: the gathered kernel gathered again
+        # in backward, not kept by Keras' custom gradient.
+        Patch(k.Dense, "_int8_call", quantized.dense_int8_call, wrap=True),
+        Patch(
+            k.EinsumDense,
+            "_int8_call",
+            quantized.einsum_dense_int8_call,
+            wrap=True,
         ),
         # Moments over the global batch (all replicas' rows).
         Patch(

@@ -123,6 +123,24 @@ def layer_kernel(layer):
     return layer._kernel
 
 
+def einsum_dense_scale_for_quant(layer, inputs_scale):
+    """An int8 EinsumDense's inputs scale with its axes aligned to the
+    output (Keras' `_adjust_scale_for_quant(scale, "input")`)."""
+    return layer._adjust_scale_for_quant(inputs_scale, "input")
+
+
+def einsum_dense_scale_for_dequant(layer, kernel_scale):
+    """An int8 EinsumDense's kernel scale shaped to dequantize its kernel
+    (Keras' `_adjust_scale_for_dequant`)."""
+    return layer._adjust_scale_for_dequant(kernel_scale)
+
+
+def einsum_dense_inputs_gradient_equation(layer):
+    """The einsum equation of an EinsumDense's inputs' gradient from the
+    output's gradient and the kernel (Keras' `_custom_gradient_equation`)."""
+    return layer._custom_gradient_equation
+
+
 def overwritten_with_gradient(variable):
     """True for a variable Keras' optimizers overwrite with its gradient
     (`overwrite_with_gradient`: the float8 layers' scales and amax

@@ -20,6 +20,8 @@ Modules, bottom first (a module imports only those above it):
 - `float8`: Keras' float8 layers: their matrix products as
   `torch._scaled_mm` where the GPU has float8, their bias gradient
   rounded after the replicas' sum.
+- `quantized`: Keras' int8 layers under FSDP: the gathered int8 kernel
+  gathered again in backward, not kept from forward.
 - `reductions`: how the replicas' gradients combine (sum of the
   replicas' shares of the loss, mean, or the maximum for variables
   overwritten with their gradient: float8 scales and amax histories).
