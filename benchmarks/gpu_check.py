@@ -27,6 +27,12 @@ Sections (CUDA: needs a GPU; else it also runs on CPU tensors):
   sanitizer        (CUDA) world 2, FSDP with prefetch, under
                    TORCH_CUDA_SANITIZER=1 (unsynchronized stream use)
   multiprocess     (2+ GPUs) the multiprocess tests with one GPU per rank
+  float8           (CUDA) the speed section's Llama compiled, in bfloat16
+                   (mixed_bfloat16) and after `quantize("float8")`, its
+                   matrix products as torch._scaled_mm (the package's) and
+                   as Keras' fake-quantized matmul (KTD_FLOAT8_MATMUL=0):
+                   step times side by side, and the float8 losses against
+                   the fake-quantized ones (issue 47)
   speed            (CUDA) a keras_hub Llama (about 1.1 B parameters) train
                    step: raw torch, plain Keras, the package (DataParallel
                    and ModelParallel under Llama's layout map), Keras on JAX
@@ -94,6 +100,7 @@ SECTIONS = {
     "sanitizer": (True, 300, False),
     "multiprocess": (True, 1800, True),
     "speed": (True, 7 * 240, True),
+    "float8": (True, 3 * 300, True),
 }
 QUICK = ["environment", "fit_mlp", "world2", "world4"]
 
@@ -415,7 +422,42 @@ def _run_multiprocess(name):
     }
 
 
+# The float8 section's modes: bfloat16, float8 with torch._scaled_mm, float8
+# fake-quantized (Keras' own matmul: KTD_FLOAT8_MATMUL=0); all compiled.
+FLOAT8_MODES = ("ktd_jit", "ktd_f8_jit", "ktd_f8fake_jit")
+
+
+def _run_float8(name):
+    runs = {}
+    for mode in FLOAT8_MODES:
+        env = _child_env(
+            {"KTD_FLOAT8_MATMUL": "0"} if mode == "ktd_f8fake_jit" else None
+        )
+        runs[mode] = run_child(name, ["--mode", mode], SPEED_MODE_TIMEOUT, env)
+    result = {
+        "status": "ok",
+        "modes": runs,
+        "seconds": round(sum(r["seconds"] for r in runs.values()), 1),
+    }
+    if any(r.get("status") != "ok" for r in runs.values()):
+        result["status"] = "failed"
+        return result
+    bf16, f8, fake = (runs[m] for m in FLOAT8_MODES)
+    result["float8_speedup_over_bfloat16"] = bf16["step_ms"] / f8["step_ms"]
+    result["fake_float8_speedup_over_bfloat16"] = (
+        bf16["step_ms"] / fake["step_ms"]
+    )
+    diff = max(
+        abs(a - b) / abs(b) for a, b in zip(f8["losses"], fake["losses"])
+    )
+    result["loss_max_relative_difference_scaled_mm_vs_fake"] = diff
+    if diff > TOLERANCE["mixed_bfloat16"] or not f8.get("uses_scaled_mm"):
+        result["status"] = "mismatch"
+    return result
+
+
 RUNNERS = {
+    "float8": _run_float8,
     "fit_mlp": _run_compared,
     "fit_llama": _run_compared,
     "speed": _run_speed,
@@ -481,6 +523,21 @@ def summarize(report):
                     )
                 else:
                     line += f"\n      {mode:13} {run.get('status')}"
+        elif name == "float8" and "float8_speedup_over_bfloat16" in result:
+            for mode, run in result["modes"].items():
+                line += (
+                    f"\n      {mode:15} {run['step_ms']:8.1f} ms/step "
+                    f"{run['tokens_per_s']:9.0f} tok/s  peak "
+                    f"{run.get('peak_mib') or 0:.0f} MiB"
+                )
+            line += (
+                "\n      float8 (torch._scaled_mm) / bfloat16 speed: "
+                f"{result['float8_speedup_over_bfloat16']:.3f}x; fake-"
+                "quantized: "
+                f"{result['fake_float8_speedup_over_bfloat16']:.3f}x; losses "
+                "vs fake-quantized: "
+                f"{result['loss_max_relative_difference_scaled_mm_vs_fake']:.2e}"
+            )
         elif name == "attention" and result["status"] in ("ok", "mismatch"):
             for row in result["kernels"]:
                 line += (
@@ -1255,6 +1312,12 @@ def _keras_speed(mode, shape, x, y, warmup, steps):
     keras.config.set_dtype_policy("mixed_bfloat16")
     keras.utils.set_random_seed(0)
     model = llama_shapes.keras_causal_lm(keras, keras_hub, shape)
+    float8 = {}
+    if "_f8" in mode:
+        from keras_torch_distribution._backend import float8 as f8
+
+        model.quantize("float8")
+        float8["uses_scaled_mm"] = f8.uses_scaled_mm(keras.ops.zeros(()).device)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-4),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -1310,6 +1373,7 @@ def _keras_speed(mode, shape, x, y, warmup, steps):
         "syncs_in_timed_steps": timing.syncs,
         "peak_mib": peak / 2**20 if peak else None,
         **({"profile": profile} if profile else {}),
+        **float8,
     }
 
 
@@ -1459,6 +1523,7 @@ CHILDREN = {
     "world8": child_world(8),
     "sanitizer": child_sanitizer,
     "speed": child_speed,
+    "float8": child_speed,
 }
 
 

@@ -10,6 +10,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 WIDTH, LAYERS, ROWS = 64, 4, 16
@@ -235,3 +236,76 @@ def test_an_amax_history_sharded_on_the_batch_axis_is_refused(pool2):
         assert message is not None
         assert "'hidden/inputs_amax_history'" in message
         assert "remove the LayoutMap key" in message
+
+
+def _int8_model(mode):
+    """Dense(64) x 2 built quantized (the dtype policy a quantized preset's
+    config carries), as `from_preset` of a quantized model builds it."""
+    keras.utils.set_random_seed(0)
+    policy = keras.dtype_policies.get(f"{mode}_from_float32")
+    inputs = keras.Input((WIDTH,))
+    x = keras.layers.Dense(WIDTH, name="d0", dtype=policy)(inputs)
+    x = keras.layers.Dense(WIDTH, name="d1", dtype=policy)(x)
+    return keras.Model(inputs, x)
+
+
+def _load_quantized(path, mode):
+    """Under FSDP on a (2,) mesh: the int8 / int4 kernels born sharded
+    (nothing whole made), the weights file's blocks read, predictions."""
+    import helpers
+    from keras_torch_distribution._distributed import stored_values
+
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((2,), ["batch"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["d.*/kernel"] = ("batch", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+    )
+    try:
+        with helpers.Allocations() as made:
+            model = _int8_model(mode)
+        kernel = model.get_layer("d0")._kernel.value
+        stored_values.reads.clear()
+        model.load_weights(path)
+        x = np.random.default_rng(1).normal(size=(8, WIDTH)).astype("float32")
+        return dict(
+            placements=tuple(str(p) for p in kernel.placements),
+            dtype=str(kernel.dtype),
+            local_bytes=kernel.to_local().nbytes,
+            largest_made=made.largest("cpu"),
+            largest_read=stored_values.reads.largest,
+            predictions=np.asarray(model.predict(x, verbose=0)),
+        )
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_weights_file_loads_born_sharded(pool2, tmp_path, mode):
+    """A model built quantized under FSDP (its kernels int8 blocks, or int4
+    packed in int8, laid out by the float kernels' keys) loads a quantized
+    weights file block by block: no whole kernel made or read on a rank,
+    predictions equal to one process's."""
+    model = _int8_model(mode)
+    path = str(tmp_path / f"{mode}.weights.h5")
+    rng = np.random.default_rng(0)
+    for layer in model.layers[1:]:
+        kernel = layer._kernel
+        low, high = (-127, 128) if mode == "int8" else (-128, 128)
+        kernel.assign(rng.integers(low, high, kernel.shape).astype("int8"))
+    model.save_weights(path)
+    x = np.random.default_rng(1).normal(size=(8, WIDTH)).astype("float32")
+    expected = np.asarray(model.predict(x, verbose=0))
+    whole = int(np.prod(model.get_layer("d0")._kernel.shape))
+    for result in pool2.run(_load_quantized, path, mode, timeout=300):
+        assert result["placements"] == ("S(0)",)
+        assert result["dtype"] == "torch.int8"
+        assert result["local_bytes"] == whole // 2
+        assert result["largest_made"] < whole
+        assert result["largest_read"] == whole // 2
+        np.testing.assert_allclose(
+            result["predictions"], expected, rtol=1e-6, atol=1e-6
+        )
