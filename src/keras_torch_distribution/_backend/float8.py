@@ -191,13 +191,14 @@ def fits(device, rows, contracted, columns):
 
 
 class Probes:
-    """Whether `torch._scaled_mm` ran on each device (one probe call)."""
+    """Whether float8 layers use `torch._scaled_mm`, by (KTD_FLOAT8_MATMUL,
+    device): decided once (a probe call where it may), read after."""
 
     def __init__(self):
         self.clear()
 
     def clear(self):
-        self.works = {}  # torch.device -> bool
+        self.decided = {}  # (choice, torch.device) -> bool
 
 
 probes = Probes()
@@ -206,7 +207,15 @@ probes = Probes()
 def uses_scaled_mm(device):
     """Whether float8 layers on `device` compute with `torch._scaled_mm`
     (KTD_FLOAT8_MATMUL; see the module docstring)."""
-    choice = _env.float8_matmul()
+    key = (_env.float8_matmul(), device)
+    decided = probes.decided.get(key)
+    if decided is None:
+        decided = probes.decided[key] = _decide(*key)
+    return decided
+
+
+@torch._dynamo.disable(reason="keras_torch_distribution: decided once")
+def _decide(choice, device):
     if choice == "0":
         return False
     if choice == "auto" and (
@@ -214,14 +223,9 @@ def uses_scaled_mm(device):
         or torch.cuda.get_device_capability(device) < (8, 9)
     ):
         return False
-    works = probes.works.get(device)
-    if works is None:
-        works = _probe(device)
-        probes.works[device] = works
-    return works
+    return _probe(device)
 
 
-@torch._dynamo.disable(reason="keras_torch_distribution: a probe, once")
 def _probe(device):
     """One small `_scaled_mm` on `device`: True if torch runs it there."""
     if not hasattr(torch, "_scaled_mm"):

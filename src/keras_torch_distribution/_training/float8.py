@@ -117,9 +117,14 @@ def _matmul_dims(inputs, kernel, equation):
     if equation is None:
         kept, contracted = inputs.ndim - 1, 1
     else:
-        plan = backend_numpy.matmul_plan(
-            equation.replace(" ", ""), inputs.ndim, kernel.ndim
+        # While compiling, worked out anew (dynamo traces through the
+        # cache, and warns that it does), as `_backend.numpy.einsum` does.
+        plan_for = (
+            backend_numpy.matmul_plan.__wrapped__
+            if torch.compiler.is_compiling()
+            else backend_numpy.matmul_plan
         )
+        plan = plan_for(equation.replace(" ", ""), inputs.ndim, kernel.ndim)
         if plan is None or plan.swap:
             return None
         kept, contracted = plan.kept_left, plan.contracted
