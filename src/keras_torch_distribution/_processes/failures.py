@@ -153,9 +153,7 @@ def _exit_code_words(failure, exitcode):
     stopped by torchrun before it exited."""
     if exitcode > 0:
         return f"exit code {exitcode}"
-    how = (
-        f"by {failure.signal_name()}" if exitcode < 0 else f"({exitcode})"
-    )
+    how = f"by {failure.signal_name()}" if exitcode < 0 else f"({exitcode})"
     return f"exit code unknown (torchrun stopped it {how} after it raised)"
 
 
