@@ -92,6 +92,12 @@ def each_case(names, run):
     return results
 
 
+# How long a pool waits for its ranks to answer one `run` before it names
+# them and kills the pool: a bound for a hang, not a speed. A compiled step
+# (inductor building C++ on the CPU) took over 180 s on a loaded 2-core
+# machine (tools/flakes, issue 49).
+POOL_TIMEOUT_S = 600
+
 _PORT_CHOICE = random.SystemRandom()
 
 
