@@ -20,6 +20,7 @@ if _TESTS not in sys.path:
 
 import pytest  # noqa: E402
 
+from helpers import POOL_TIMEOUT_S  # noqa: E402
 from keras_torch_distribution.testing import ProcessGroupPool  # noqa: E402
 
 _pools = {}
@@ -44,7 +45,9 @@ _POOL_ENV = (
 def _pool(world_size):
     pool = _pools.get(world_size)
     if pool is None or not pool.alive:
-        pool = ProcessGroupPool(world_size, timeout=180, env=_POOL_ENV)
+        pool = ProcessGroupPool(
+            world_size, timeout=POOL_TIMEOUT_S, env=_POOL_ENV
+        )
         _pools[world_size] = pool
     return pool
 

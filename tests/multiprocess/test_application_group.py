@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from helpers import POOL_TIMEOUT_S
 from helpers import free_port
 from keras_torch_distribution.testing import ProcessGroupPool
 
@@ -66,7 +67,7 @@ def _cpu_collectives_on_a_group_without_cpu(address, rank_by_pid):
 
 
 def test_cpu_collectives_run_on_a_gloo_side_group(tmp_path):
-    pool = ProcessGroupPool(2, timeout=120, initialize=False)
+    pool = ProcessGroupPool(2, timeout=POOL_TIMEOUT_S, initialize=False)
     try:
         ranks = {pid: rank for rank, pid in enumerate(pool.run(_pid))}
         results = pool.run(

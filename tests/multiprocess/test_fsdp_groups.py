@@ -221,7 +221,7 @@ def test_keras_hub_llama_issues_a_few_collectives_per_block(pool2):
         "reduce_scatter": 1 + layers,
         "all_reduce": 1,
     }
-    for counts in pool2.run(_count_one_step, layers, timeout=600):
+    for counts in pool2.run(_count_one_step, layers):
         assert counts == expected, counts
 
 

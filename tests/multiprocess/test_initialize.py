@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 
+from helpers import POOL_TIMEOUT_S
 from helpers import assert_error
 from helpers import error_of
 from helpers import free_port
@@ -267,7 +268,7 @@ def test_unseeded_model_agrees_on_session_pool(pool2):
 
 @pytest.fixture(scope="module")
 def fresh_pool2():
-    pool = ProcessGroupPool(2, timeout=120, initialize=False)
+    pool = ProcessGroupPool(2, timeout=POOL_TIMEOUT_S, initialize=False)
     try:
         yield pool
     finally:

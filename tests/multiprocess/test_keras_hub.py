@@ -330,7 +330,7 @@ def _check(results, reference, family):
 @pytest.mark.parametrize("family", MODEL_PARALLEL)
 def test_model_parallel_under_own_layout_map_matches_one_process(pool2, family):
     reference = _reference(family)
-    results = pool2.run(run_recording_warnings, family, "model", timeout=600)
+    results = pool2.run(run_recording_warnings, family, "model")
     _check(results, reference, family)
 
 

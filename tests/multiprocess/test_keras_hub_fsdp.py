@@ -124,10 +124,10 @@ def _check(results, reference):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_own_layout_map_fsdp_on_2_processes(pool2, family):
     """A (2, 1) mesh: 2 data replicas, the map's batch-axis dims FSDP."""
-    _check(pool2.run(_train, family, (2, 1), timeout=600), _reference(family))
+    _check(pool2.run(_train, family, (2, 1)), _reference(family))
 
 
 @pytest.mark.slow
 def test_gemma_map_fsdp_and_tensor_parallel_on_2x2(pool4):
     """A (2, 2) mesh: weights sharded on both axes, as Gemma's map says."""
-    _check(pool4.run(_train, "gemma", (2, 2), timeout=600), _reference("gemma"))
+    _check(pool4.run(_train, "gemma", (2, 2)), _reference("gemma"))

@@ -161,7 +161,7 @@ def test_preset_loads_shard_by_shard(pool2, tmp_path, kind):
     largest_whole = max(w.nbytes for w in weights.values())
     for source in sources:
         archive = source.endswith(".keras")
-        results = pool2.run(_load_on_rank, kind, source, timeout=300)
+        results = pool2.run(_load_on_rank, kind, source)
         for rank, got in enumerate(results):
             where = f"{kind} {os.path.basename(source)} rank {rank}"
             _assert_loaded_exactly(got, weights, logits, where)
@@ -208,7 +208,7 @@ def test_preset_under_keras_hub_map_warns_about_reverse_embeddings(
     backbone = _backbone()
     preset = str(tmp_path / "preset")
     backbone.save_to_preset(preset)
-    rank0, rank1 = pool2.run(_load_without_reverse_key, preset, timeout=300)
+    rank0, rank1 = pool2.run(_load_without_reverse_key, preset)
     assert len(rank0["messages"]) == 1, rank0["messages"]
     assert (
         "Variable 'token_embedding/reverse_embeddings' (shape (64, 16384)) "
@@ -454,7 +454,7 @@ def test_hugging_face_checkpoint_loads_shard_by_shard(pool2, tmp_path, kind):
     weights = {v.path: np.asarray(v) for v in one.weights}
     logits = _logits(one)
     largest_whole = max(w.nbytes for w in weights.values())
-    results = pool2.run(_load_hf_on_rank, kind, sources, timeout=300)
+    results = pool2.run(_load_hf_on_rank, kind, sources)
     for rank, by_source in enumerate(results):
         for source, got in by_source.items():
             where = f"{kind} {source} rank {rank}"

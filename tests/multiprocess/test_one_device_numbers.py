@@ -381,7 +381,7 @@ def test_dropout_with_jit_compile(pool2, mesh):
     # compiled graph (as Keras' own seeded dropout does), so compiling
     # costs most of the test.
     reference = _reference("dropout_both")
-    results = pool2.run(_run, "dropout_both", mesh, True, True, timeout=600)
+    results = pool2.run(_run, "dropout_both", mesh, True, True)
     for rank, result in enumerate(results):
         _assert_same_numbers(result, reference, f"rank {rank}")
 

@@ -25,6 +25,7 @@ import sys
 
 import pytest
 
+from helpers import POOL_TIMEOUT_S
 from helpers import ROOT
 from helpers import finish
 from keras_torch_distribution.testing import ProcessGroupPool
@@ -191,7 +192,7 @@ def test_plan_equals_a_real_run(world, model, layout):
     # earlier cases left (sharded variables seen, which keeps a
     # DataParallel step off the overlapped all-reduce; FSDP's recorded
     # orders), and their counts would differ from a new job's.
-    with ProcessGroupPool(world, timeout=180) as pool:
+    with ProcessGroupPool(world, timeout=POOL_TIMEOUT_S) as pool:
         real = pool.run(_real, SCRIPT, [model, layout])
     for kind, plan in plans.items():
         assert plan["step_simulated"], (kind, plan["no_step_reason"])

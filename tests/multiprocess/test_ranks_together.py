@@ -99,7 +99,7 @@ def stop_on_one_rank(kind, stop_rank, stop_at_batch):
 def test_stop_training_on_one_rank_stops_every_rank(pool2):
     reference = stop_on_one_rank(None, None, 1)
     for kind in ("dp", "mp"):
-        results = pool2.run(stop_on_one_rank, kind, 1, 1, timeout=300)
+        results = pool2.run(stop_on_one_rank, kind, 1, 1)
         for rank, (losses, weights, messages) in enumerate(results):
             # Stopped in epoch 0 after batch 1, as one process stopped there.
             np.testing.assert_allclose(
@@ -120,7 +120,7 @@ def test_stop_training_on_one_rank_stops_every_rank(pool2):
 
 
 def test_stop_training_on_every_rank_says_nothing(pool2):
-    results = pool2.run(stop_on_one_rank, "dp", None, 2, timeout=300)
+    results = pool2.run(stop_on_one_rank, "dp", None, 2)
     reference = stop_on_one_rank(None, None, 2)
     for losses, weights, messages in results:
         np.testing.assert_allclose(losses, reference[0], rtol=1e-4, atol=2e-5)
@@ -166,7 +166,7 @@ def uneven_generators(batches_per_rank):
 def test_generators_of_different_lengths_end_together(pool2):
     # Rank 1's generator has 2 batches, rank 0's all 4: both stop after 2,
     # with the numbers of one process on the first 2 global batches.
-    results = pool2.run(uneven_generators, [4, 2], timeout=300)
+    results = pool2.run(uneven_generators, [4, 2])
     keras_reference = _reference_two_batches()
     for rank, (losses, weights, messages) in enumerate(results):
         for got, want in zip(weights, keras_reference[1]):
@@ -235,7 +235,7 @@ def test_copies_are_equal_from_creation_on_2x2_mesh(pool4):
     # Ranks 0 and 2 hold the same block of each sharded kernel (model
     # coordinate 0 of batch coordinates 0 and 1); every rank holds the
     # replicated ones whole.
-    local = pool4.run(build_with_rank_seeds, "hybrid", timeout=300)
+    local = pool4.run(build_with_rank_seeds, "hybrid")
     for path in local[0]:
         np.testing.assert_array_equal(
             local[2][path], local[0][path], err_msg=path
@@ -257,7 +257,7 @@ def test_copies_are_equal_from_creation_on_2x2_mesh(pool4):
 
 
 def test_copies_are_equal_from_creation_data_parallel(pool2):
-    local = pool2.run(build_with_rank_seeds, "dp", timeout=300)
+    local = pool2.run(build_with_rank_seeds, "dp")
     for path in local[0]:
         np.testing.assert_array_equal(
             local[1][path], local[0][path], err_msg=path
@@ -287,10 +287,10 @@ def per_process_inputs(same_everywhere):
 
 
 def test_identical_per_process_inputs_warn_once(pool2):
-    messages = pool2.run(per_process_inputs, True, timeout=300)[0]
+    messages = pool2.run(per_process_inputs, True)[0]
     said = [m for m in messages if "passed the same rows" in m]
     assert len(said) == 1, messages
     assert "fit(): every one of the 2 data-parallel replicas" in said[0]
     assert "auto_shard_dataset=True" in said[0]
-    messages = pool2.run(per_process_inputs, False, timeout=300)[0]
+    messages = pool2.run(per_process_inputs, False)[0]
     assert not [m for m in messages if "passed the same rows" in m], messages

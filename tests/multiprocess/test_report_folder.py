@@ -54,7 +54,7 @@ def test_report_of_a_sharded_checkpoint_folder(pool2, tmp_path):
     )
 
     folder = str(tmp_path / "ckpts")
-    pool2.run(_fit_with_checkpoints, folder, timeout=300)
+    pool2.run(_fit_with_checkpoints, folder)
     names = sorted(os.listdir(folder))
     assert len(names) == 2  # one per epoch, 2 steps each
     newest = os.path.join(folder, names[-1])

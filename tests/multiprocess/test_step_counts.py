@@ -165,7 +165,7 @@ def test_one_process_step_makes_no_host_sync():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["data", "model", "fsdp"])
 def test_distributed_step_makes_no_host_sync(pool2, kind):
-    results = pool2.run(counted_fit, kind, timeout=600)
+    results = pool2.run(counted_fit, kind)
     for result in results:
         assert _device_syncs(result) == {}
         _same_training(result, _reference())
@@ -173,7 +173,7 @@ def test_distributed_step_makes_no_host_sync(pool2, kind):
 
 @pytest.mark.slow
 def test_2d_step_makes_no_host_sync(pool4):
-    results = pool4.run(counted_fit, "2d", False, 4, 4, timeout=600)
+    results = pool4.run(counted_fit, "2d", False, 4, 4)
     for result in results:
         assert _device_syncs(result) == {}
 
@@ -191,7 +191,7 @@ def test_compiled_blocks_give_eager_numbers_in_one_graph_without_syncs():
 
 @pytest.mark.slow
 def test_compiled_data_parallel_gives_eager_numbers(pool2):
-    results = pool2.run(counted_fit, "data", True, timeout=600)
+    results = pool2.run(counted_fit, "data", True)
     for result in results:
         _same_training(result, _reference())
         assert _device_syncs(result) == {}

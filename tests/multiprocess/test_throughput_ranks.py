@@ -48,7 +48,7 @@ def _fit_with_throughput():
 
 
 def test_global_figures_and_the_worst_rank(pool2):
-    results = pool2.run(_fit_with_throughput, timeout=300)
+    results = pool2.run(_fit_with_throughput)
     (first, _), (second, _) = results
     for rank, (epoch, own_peak) in enumerate(results):
         assert epoch["steps"] == 6

@@ -695,18 +695,18 @@ def _check(kind, per_rank, names=None):
 
 @pytest.mark.parametrize("kind", ["dp", "tp", "fsdp"])
 def test_features_on_2_processes(pool2, kind):
-    _check(kind, pool2.run(_run, kind, UNDER[kind], timeout=600))
+    _check(kind, pool2.run(_run, kind, UNDER[kind]))
 
 
 def test_features_on_2x2(pool4):
-    _check("2d", pool4.run(_run, "2d", UNDER["2d"], timeout=600))
+    _check("2d", pool4.run(_run, "2d", UNDER["2d"]))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dp", "fsdp"])
 def test_slow_features_on_2_processes(pool2, kind):
     names = [n for n, k in SLOW_UNDER.items() if k == kind]
-    _check(kind, pool2.run(_run, kind, names, timeout=600), names)
+    _check(kind, pool2.run(_run, kind, names), names)
 
 
 def test_a_checkpoint_mid_accumulation_resumes_to_the_uninterrupted_run(
@@ -721,9 +721,7 @@ def test_a_checkpoint_mid_accumulation_resumes_to_the_uninterrupted_run(
 
     one = accumulation_resumed(str(tmp_path / "one"), None)
     for kind in ("dp", "fsdp"):
-        per_rank = pool2.run(
-            accumulation_resumed, str(tmp_path), kind, timeout=300
-        )
+        per_rank = pool2.run(accumulation_resumed, str(tmp_path), kind)
         for rank, cases in enumerate(per_rank):
             for (steps, saved_at), case, reference in zip(
                 RESUME_CASES, cases, one

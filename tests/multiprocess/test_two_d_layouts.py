@@ -116,7 +116,7 @@ def train_cases(names, distributed=True):
 def test_layouts_on_2x2_give_one_process_weights(pool4):
     reference = train_cases(["data_parallel"], distributed=False)
     reference = reference["data_parallel"]
-    per_rank = pool4.run(train_cases, list(CASES), timeout=300)
+    per_rank = pool4.run(train_cases, list(CASES))
     failures = []
     for name in CASES:
         for rank, results in enumerate(per_rank):

@@ -102,7 +102,7 @@ def test_map_that_leaves_reverse_embeddings_whole_warns_once(pool2, tmp_path):
     from keras_torch_distribution._report import format_checkpoint_table
 
     path = str(tmp_path / "ckpt")
-    rank0, rank1 = pool2.run(_fit_llama, False, path, timeout=300)
+    rank0, rank1 = pool2.run(_fit_llama, False, path)
     # One warning for the two fits and the evaluate, on rank 0 only.
     assert rank0["messages"] == [WARNING], rank0["messages"]
     assert rank1["messages"] == []
@@ -125,7 +125,7 @@ def test_no_warning_when_every_large_variable_is_sharded(pool2, tmp_path):
     from keras_torch_distribution._report import checkpoint_table
 
     path = str(tmp_path / "ckpt")
-    results = pool2.run(_fit_llama, True, path, timeout=300)
+    results = pool2.run(_fit_llama, True, path)
     for result in results:
         assert result["messages"] == []
         assert result["marked"] == []
