@@ -147,7 +147,7 @@ def test_fsdp_int8_keeps_one_gathered_kernel_not_every_layers(pool2):
     with the same losses. The rank's int8 blocks (half a kernel each) are
     its own storage, not made by the step."""
     kernel = WIDTH * WIDTH  # int8 bytes of one whole kernel
-    for rank, result in enumerate(pool2.run(_both, None, timeout=300)):
+    for rank, result in enumerate(pool2.run(_both, None)):
         for name, case in result.items():
             assert not isinstance(case, tuple), f"{name}: {case[1]}\n{case[2]}"
         ours, keras_own = result["package"], result["keras"]
@@ -187,7 +187,7 @@ def test_lora_factors_are_laid_out_along_the_kernels_dims(pool2):
     `b` the kernel's last dim; the int8 kernels keep the float kernels'
     layout. (1, 2) mesh: `hidden/kernel` ("batch", "model") is
     column-parallel, `proj/kernel` ("model", "batch") row-parallel."""
-    placements = pool2.run(_lora_placements, "tp", timeout=300)[0]
+    placements = pool2.run(_lora_placements, "tp")[0]
     assert placements["hidden/kernel"] == ("R", "S(1)")
     assert placements["hidden/lora_kernel_a"] == "whole"
     assert placements["hidden/lora_kernel_b"] == (
@@ -198,7 +198,7 @@ def test_lora_factors_are_laid_out_along_the_kernels_dims(pool2):
     assert placements["proj/lora_kernel_a"] == ("R", "S(0)")
     assert placements["proj/lora_kernel_b"] == "whole"
     assert placements["out/lora_kernel_a"] == "whole"  # a size-1 batch axis
-    placements = pool2.run(_lora_placements, "fsdp", timeout=300)[0]
+    placements = pool2.run(_lora_placements, "fsdp")[0]
     assert placements["out/kernel"] == ("S(0)", "R")
     assert placements["out/lora_kernel_a"] == ("S(0)", "R")
     assert placements["out/lora_kernel_b"] == "whole"
@@ -232,7 +232,7 @@ def _amax_history_on_batch_axis(_):
 def test_an_amax_history_sharded_on_the_batch_axis_is_refused(pool2):
     """Its new value is the maximum over the replicas, which FSDP's
     reduce-scatter (a sum) cannot give: every rank raises, naming it."""
-    for message in pool2.run(_amax_history_on_batch_axis, None, timeout=300):
+    for message in pool2.run(_amax_history_on_batch_axis, None):
         assert message is not None
         assert "'hidden/inputs_amax_history'" in message
         assert "remove the LayoutMap key" in message
@@ -300,7 +300,7 @@ def test_a_quantized_weights_file_loads_born_sharded(pool2, tmp_path, mode):
     x = np.random.default_rng(1).normal(size=(8, WIDTH)).astype("float32")
     expected = np.asarray(model.predict(x, verbose=0))
     whole = int(np.prod(model.get_layer("d0")._kernel.shape))
-    for result in pool2.run(_load_quantized, path, mode, timeout=300):
+    for result in pool2.run(_load_quantized, path, mode):
         assert result["placements"] == ("S(0)",)
         assert result["dtype"] == "torch.int8"
         assert result["local_bytes"] == whole // 2
