@@ -19,9 +19,11 @@ method, by dtype):
 
 - `int8_at_peak_bytes`: int8 bytes alive at the step's peak (gathered
   kernels: the rank's own int8 blocks are its variables, made before the
-  step, and not counted);
+  step, and not counted); `int8_most_alive_bytes`: the most int8 bytes
+  alive at any moment of the step;
 - `largest_group_int8_bytes`: the int8 bytes of the largest FSDP group
-  (a decoder block's kernels, whole);
+  (a decoder block's kernels, or the token embedding, whole;
+  `groups_int8_bytes` each group's);
 - `int8_blocks_bytes`: this rank's stored int8 blocks (its share of
   every int8 kernel);
 - `peak_bytes`: every byte alive at the peak above what was alive before.
@@ -31,6 +33,7 @@ Results: benchmarks/results/qlora_memory.json.
 
 import argparse
 import gc
+import math
 import os
 import sys
 
@@ -65,6 +68,8 @@ class LiveBytesByDtype:
         self.total = 0
         self.peak = 0
         self.at_peak = {}
+        self.by_dtype = {}  # dtype -> bytes alive now
+        self.most_by_dtype = {}  # dtype -> the most bytes alive at once
 
     def __enter__(self):
         self.mode.__enter__()
@@ -75,7 +80,9 @@ class LiveBytesByDtype:
 
     def _forget_freed(self):
         for key in [k for k, entry in self.live.items() if entry[0].expired()]:
-            self.total -= self.live.pop(key)[1]
+            _, nbytes, dtype = self.live.pop(key)
+            self.total -= nbytes
+            self.by_dtype[dtype] -= nbytes
 
     def _record(self, out):
         import torch
@@ -98,6 +105,12 @@ class LiveBytesByDtype:
                 str(leaf.dtype).replace("torch.", ""),
             )
             self.total += storage.nbytes()
+            dtype = self.live[key][2]
+            alive = self.by_dtype.get(dtype, 0) + storage.nbytes()
+            self.by_dtype[dtype] = alive
+            self.most_by_dtype[dtype] = max(
+                self.most_by_dtype.get(dtype, 0), self.by_dtype[dtype]
+            )
         if self.total > self.peak:
             self.peak = self.total
             self.at_peak = {}
@@ -148,9 +161,8 @@ def _worker(case, shape):
     int8 = [v for v in model.weights if "int8" in str(v.dtype)]
     blocks = {}
     for variable in int8:
-        parts = variable.path.split("/")
-        block = parts[1] if len(parts) > 2 else parts[0]
-        blocks[block] = blocks.get(block, 0) + variable.size
+        block = variable.path.split("/")[0]  # a decoder block, the embedding
+        blocks[block] = blocks.get(block, 0) + math.prod(variable.shape)
     local = 0
     for variable in int8:
         value = _keras.raw_value(variable)
@@ -162,8 +174,10 @@ def _worker(case, shape):
             "peak_bytes": live.peak,
             "at_peak_bytes": live.at_peak,
             "int8_at_peak_bytes": live.at_peak.get("int8", 0),
+            "int8_most_alive_bytes": live.most_by_dtype.get("int8", 0),
+            "groups_int8_bytes": blocks,
             "largest_group_int8_bytes": max(blocks.values()),
-            "int8_kernels_bytes": sum(v.size for v in int8),
+            "int8_kernels_bytes": sum(math.prod(v.shape) for v in int8),
             "int8_blocks_bytes": local,
         }
     )
@@ -191,7 +205,8 @@ def main():
         for row in results[case]:
             print(
                 f"{case:10} rank {row['rank']}: int8 at the peak "
-                f"{row['int8_at_peak_bytes']:,} B (largest group "
+                f"{row['int8_at_peak_bytes']:,} B, the most at once "
+                f"{row['int8_most_alive_bytes']:,} B (largest group "
                 f"{row['largest_group_int8_bytes']:,} B, every kernel "
                 f"{row['int8_kernels_bytes']:,} B, this rank's blocks "
                 f"{row['int8_blocks_bytes']:,} B); peak "
