@@ -47,7 +47,7 @@ EVERY_BATCH = [
 ]
 STEP = 7  # node 1 stops after this step
 SAVE_FREQ = 2  # so the newest complete backup is step 6's
-LIMIT_S = 150
+LIMIT_S = 600  # a bound for a hang, not a speed
 RDZV_CONF = SHRINK_RDZV_CONF
 
 

@@ -96,14 +96,14 @@ def test_sigusr1_to_ktd_run_reaches_the_ranks(tmp_path):
     die with it, unwarned): `ktd run` adds it to the signals the agent
     passes on, and exits with 138 once the ranks stopped."""
     process = _ktd_run("tests/scripts/restart_wait_signal.py", str(tmp_path))
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
         if time.monotonic() > deadline or process.poll() is not None:
             finish(process, timeout=1)  # the output, on timeout
             raise AssertionError("the ranks never got ready")
         time.sleep(0.1)
     process.send_signal(signal.SIGUSR1)  # `ktd run`: the agent itself
-    result = finish(process, timeout=60)
+    result = finish(process, timeout=300)
     assert sorted(re.findall(r"rank=\d got=\w+", result.stdout)) == [
         "rank=0 got=SIGUSR1",
         "rank=1 got=SIGUSR1",

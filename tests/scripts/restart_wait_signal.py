@@ -20,7 +20,7 @@ got = []
 signal.signal(signal.SIGUSR1, lambda number, frame: got.append(number))
 with open(os.path.join(sys.argv[1], f"ready-{rank}"), "w") as f:
     f.write(str(os.getpid()))
-deadline = time.monotonic() + 60
+deadline = time.monotonic() + 300  # the test signals once all are ready
 while not got and time.monotonic() < deadline:
     time.sleep(0.05)
 sys.stdout.write(f"rank={rank} got={'SIGUSR1' if got else 'none'}\n")
