@@ -57,6 +57,35 @@ class Patch:
         return f"{owner}.{self.name}"
 
 
+def _quantized_calls(k):
+    """Keras' float8 layers: one process's bias gradients under every
+    distribution; float8 matrix products where the GPU has them. Keras'
+    int8 layers under FSDP: the gathered kernel gathered again in
+    backward, not kept by Keras' custom gradient.
+
+    Keras 3.15 calls both through the layers' methods; 3.16 through the
+    modes' strategies (`k.Float8Strategy`), where float8 is replaced and
+    int8 keeps Keras' call (its numbers are one process's; under FSDP each
+    int8 layer's gathered kernel then lives until its backward)."""
+    if k.Float8Strategy is not None:
+        return [
+            Patch(k.Float8Strategy, "call", float8.strategy_call, wrap=True)
+        ]
+    return [
+        Patch(k.Dense, "_float8_call", float8.dense_call, wrap=True),
+        Patch(
+            k.EinsumDense, "_float8_call", float8.einsum_dense_call, wrap=True
+        ),
+        Patch(k.Dense, "_int8_call", quantized.dense_int8_call, wrap=True),
+        Patch(
+            k.EinsumDense,
+            "_int8_call",
+            quantized.einsum_dense_int8_call,
+            wrap=True,
+        ),
+    ]
+
+
 def _patch_table():
     """Every Keras attribute the package replaces, grouped by concern.
 
@@ -206,21 +235,7 @@ def _patch_table():
         Patch(
             k.torch_random_module, "randint", random_slices.randint, wrap=True
         ),
-        # Keras' float8 layers: one process's bias gradients under every
-        # distribution; float8 matrix products where the GPU has them.
-        Patch(k.Dense, "_float8_call", float8.dense_call, wrap=True),
-        Patch(
-            k.EinsumDense, "_float8_call", float8.einsum_dense_call, wrap=True
-        ),
-        # Keras' int8 layers under FSDP: the gathered kernel gathered again
-        # in backward, not kept by Keras' custom gradient.
-        Patch(k.Dense, "_int8_call", quantized.dense_int8_call, wrap=True),
-        Patch(
-            k.EinsumDense,
-            "_int8_call",
-            quantized.einsum_dense_int8_call,
-            wrap=True,
-        ),
+        *_quantized_calls(k),
         # Moments over the global batch (all replicas' rows).
         Patch(
             k.BatchNormalization, "_moments", sync_batch_norm.moments, wrap=True

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from keras_torch_distribution import _install  # noqa: E402
 from keras_torch_distribution._backend import float8  # noqa: E402
+from keras_torch_distribution._training import float8 as float8_call  # noqa: E402
 
 STEPS, ROWS, WIDTH = 3, 16, 16
 
@@ -45,7 +46,11 @@ def _fit(einsum, policy="float32", keras_call=False):
     """Losses and every variable after STEPS steps of float8 fit;
     `keras_call`: Keras' own `_float8_call` instead of the package's."""
     keras.config.set_dtype_policy(policy)
-    patches = [p for p in _install._installed if p.name == "_float8_call"]
+    patches = [  # the layers' `_float8_call` (3.15), `Float8Strategy.call`
+        p
+        for p in _install._installed
+        if getattr(p.replacement, "__module__", None) == float8_call.__name__
+    ]
     ours = {p: p.owner.__dict__[p.name] for p in patches}
     try:
         model = _model(einsum)

@@ -44,8 +44,15 @@ def moments(original, layer, inputs, mask):
     ):
         return original(layer, inputs, mask)
     axes = tuple(_keras.batch_norm_reduction_axes(layer))
-    # rows here * replicas / global rows (1.0 but for a last, uneven batch)
-    scale = replicas.batch_scale()
+    # The weight of this replica's gradient against the others' in
+    # backward: rows here * replicas / global rows (1.0 but for a last,
+    # uneven batch) when each replica backpropagates its rows' mean loss;
+    # 1.0 when each scaled its loss to its share of the global batch's
+    # before backward (`_training.reductions`): the gradients are then in
+    # one unit already.
+    scale = (
+        1.0 if replicas.batch_weight.loss_share else replicas.batch_scale()
+    )
     if mask is None:
         return _moments(inputs, axes, group.group, scale)
     return _masked_moments(inputs, mask, axes, group.group, scale)

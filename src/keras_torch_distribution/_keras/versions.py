@@ -54,6 +54,7 @@ __all__ = [
     "KERAS_FILE_STORES",
     "NATIVE_TORCH_TRAINING",
     "NATIVE_VARIABLE_DISTRIBUTION",
+    "Float8Strategy",
     "torch_core",
     "torch_nn",
     "torch_numpy",
@@ -211,3 +212,13 @@ NATIVE_TORCH_TRAINING = hasattr(torch_trainer, "distribute_data_input")
 NATIVE_VARIABLE_DISTRIBUTION = hasattr(
     torch_core.Variable, "_initialize_distributed"
 )
+
+
+# Keras' float8 layer call: the layers' own `_float8_call` in 3.15; in
+# 3.16 the float8 mode's strategy, `Float8Strategy.call(layer, inputs,
+# training)` (keras.src.quantizers.modes.float8), with the same formula.
+# None on 3.15.
+try:
+    from keras.src.quantizers.modes.float8 import Float8Strategy
+except ImportError:
+    Float8Strategy = None

@@ -2,7 +2,8 @@
 float8 matrix products where the GPU has them.
 
 Replaces Keras' `Dense._float8_call` and `EinsumDense._float8_call` (the
-call of a layer after `quantize("float8")`) with Keras' own computation
+call of a layer after `quantize("float8")`; Keras 3.16's
+`Float8Strategy.call` for those layers) with Keras' own computation
 (its code, through `keras.ops` and `keras.quantizers`), but for two
 things:
 
@@ -64,6 +65,20 @@ def einsum_dense_call(original, layer, inputs, training=None):
         return original(layer, inputs, training=training)
     inputs = keras.ops.convert_to_tensor(inputs)
     return _float8_call(layer, inputs, training, layer.equation)
+
+
+def strategy_call(original, strategy, layer, inputs, training=None):
+    """Keras 3.16's `Float8Strategy.call`: for a Dense or EinsumDense
+    layer, as `dense_call` / `einsum_dense_call` (3.16 moved Keras' float8
+    call, unchanged, from the layers to the mode's strategy); Keras' own
+    for any other layer, and with LoRA (which 3.16 refuses)."""
+    if layer.lora_enabled or not isinstance(
+        layer, (_keras.Dense, _keras.EinsumDense)
+    ):
+        return original(strategy, layer, inputs, training=training)
+    equation = layer.equation if isinstance(layer, _keras.EinsumDense) else None
+    inputs = keras.ops.convert_to_tensor(inputs)
+    return _float8_call(layer, inputs, training, equation)
 
 
 def _float8_call(layer, inputs, training, equation):
