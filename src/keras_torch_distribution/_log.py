@@ -22,15 +22,16 @@ import re
 import sys
 import warnings
 
-import torch.distributed as dist
-
 from keras_torch_distribution import _env
 
 
 def _rank():
     """This process's rank: the running group's, else the launcher's RANK
-    (so that messages from before the group starts are not said N times)."""
-    if dist.is_available() and dist.is_initialized():
+    (so that messages from before the group starts are not said N times).
+    (torch.distributed is not imported here: `ktd run` uses this module
+    before torch is imported, and no group runs before it is.)"""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     text = os.environ.get("RANK", "0")
     return int(text) if text.isdigit() else 0

@@ -1,14 +1,13 @@
 """What `ktd env` and `ktd report` do. The `ktd` command's parser is
 `keras_torch_distribution_cli` (a package of its own, so that `ktd --help`
-imports neither torch nor Keras); `main` is its."""
+and `ktd run` import neither torch nor Keras), which calls these: this
+module never imports it."""
 
 from __future__ import annotations
 
 import os
 import platform
 import sys
-
-from keras_torch_distribution_cli import main
 
 
 def print_env() -> int:
@@ -145,7 +144,3 @@ def report(path) -> int:
         print(f"ktd report: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -187,11 +187,16 @@ def _run(rest):
             file=sys.stderr,
         )
         return 2
-    from keras_torch_distribution.launch import _torchrun
+    from keras_torch_distribution_cli._light import package_without_keras
 
-    try:
-        _torchrun.run(rest)
-    except (_torchrun.Signalled, _torchrun.Refused) as stopped:
-        print(stopped.message, file=sys.stderr)
-        return stopped.code
+    # The launcher's modules, without the package's front (which imports
+    # Keras): `ktd run` checks and starts; the ranks import Keras.
+    with package_without_keras():
+        from keras_torch_distribution.launch import _torchrun
+
+        try:
+            _torchrun.run(rest)
+        except (_torchrun.Signalled, _torchrun.Refused) as stopped:
+            print(stopped.message, file=sys.stderr)
+            return stopped.code
     return 0

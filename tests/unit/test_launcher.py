@@ -22,7 +22,7 @@ from keras_torch_distribution.launch import _torchrun
 # Arguments handed to torchrun
 # --------------------------------------------------------------------------
 
-_LAUNCH = ["-m", "keras_torch_distribution.launch"]
+_LAUNCH = ["-m", "keras_torch_distribution_cli._rank"]
 # torchrun's default signals and SIGUSR1, which `ktd run` adds
 # (unit/test_launch_restarts.py).
 _SIGNALS = ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
@@ -135,6 +135,9 @@ def test_torchrun_arguments_errors(argv, message):
         _torchrun.torchrun_arguments(argv)
 
 
+_SCRIPT = __file__  # a script that exists (`run` refuses a missing one)
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     """`_torchrun.run` must refuse before torchrun starts anything."""
@@ -163,10 +166,7 @@ def test_bad_timeout_setting_is_refused_before_ranks_start(
             r"in \(0, 604800\]"
         ),
     ):
-        _torchrun.run(["-n", "2", "train.py"])
-
-
-_SCRIPT = __file__  # a script that exists (`run` refuses a missing one)
+        _torchrun.run(["-n", "2", _SCRIPT])
 
 
 class _HeldPort:

@@ -32,6 +32,7 @@ _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _LAUNCHER_PARTS = (
     "<frozen ",
     os.path.join("torch", "distributed", "elastic") + os.sep,
+    os.sep + os.path.join("keras_torch_distribution_cli", ""),  # `ktd`
 )
 _KERAS_PARTS = (os.path.join("keras", "src") + os.sep,)
 
