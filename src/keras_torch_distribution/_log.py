@@ -114,6 +114,10 @@ if not logger.filters:
     except ValueError as _error:  # `ktd env` flags it; `ktd run` refuses it
         logger.setLevel(logging.WARNING)
         logger.warning("%s Using WARNING.", _error)
+    # KTD_LOG_LEVL and the like: said here for torchrun's and Python's
+    # processes; a launcher of the package (KTD_PARENT_PID) said it already.
+    if _env.misspelled() and "KTD_PARENT_PID" not in os.environ:
+        logger.warning("%s", _env.misspelled_text(_env.misspelled()))
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

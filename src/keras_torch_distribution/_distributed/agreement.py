@@ -118,9 +118,58 @@ def _sides(values):
     )
 
 
+# What a rank that reached the end of its script is doing: it meets, in
+# `end_of_script`, a rank still in a collective call (a rank-0-only save).
+END_OF_SCRIPT = "the end of the script"
+
+
+def end_of_script():
+    """Agree that every rank reached the end of its script. A rank still in
+    a collective call the others skipped (`if rank == 0: model.save(...)`)
+    then raises RanksDisagreeError there, at the user's line, naming the
+    call and the fix, instead of waiting for peers that are gone; the ranks
+    that ended return False (they did nothing wrong: the error is said
+    once, by the others). The launcher's processes call it when their
+    script returns. Collective: call on every rank."""
+    if not (runtime.is_initialized() and runtime.is_multi_process()):
+        return True
+    try:
+        compare(END_OF_SCRIPT, [])
+    except RanksDisagreeError:
+        return False
+    return True
+
+
+def _did(doing):
+    """What a rank was doing, as said in a sentence."""
+    if doing == END_OF_SCRIPT:
+        return f"reached {doing}"
+    if doing.endswith("()"):
+        return f"called {doing}"
+    return f"were in {doing}"
+
+
 def _different_programs(doings):
+    groups = {}
+    for rank, doing in enumerate(doings):
+        groups.setdefault(doing, []).append(rank)
+    said = "; ".join(
+        f"ranks {ranks} {_did(doing)}" for doing, ranks in groups.items()
+    )
+    calls = [doing for doing in groups if doing.endswith("()")]
+    if calls and all(
+        doing.endswith("()") or doing == END_OF_SCRIPT for doing in groups
+    ):
+        named = " and ".join(calls)
+        return (
+            f"Ranks are running different programs: {said}. {named} "
+            f"{'is' if len(calls) == 1 else 'are'} collective (every rank "
+            "takes part; for a file, rank 0 writes it): call "
+            f"{'it' if len(calls) == 1 else 'each'} on every rank, in the "
+            "same order, not under `if rank == 0`."
+        )
     return (
-        f"Ranks are running different programs: {_sides(doings)}. Under a "
+        f"Ranks are running different programs: {said}. Under a "
         "distribution, every rank must build the same models in the same order "
         "and call fit / evaluate / predict together (building a model on some "
         "ranks only makes a collective that the others never join). Make the "

@@ -77,6 +77,13 @@ def _check_extra(extra):
         ) from error
 
 
+def _agree_on(call):
+    """Every rank is in `call`: a save on some ranks only raises on every
+    rank, naming what the others do (`agreement.compare`)."""
+    if runtime.is_multi_process():
+        agreement.compare(call, [])
+
+
 def _begin_save(model, path, optimizer, extra, group=None):
     _check_extra(extra)
     path = _location.normalize(path)
@@ -114,6 +121,7 @@ def save(
         The checkpoint's directory, as an absolute path.
     """
     started = time.perf_counter()
+    _agree_on("checkpoint.save()")
     path, variables, marker = _begin_save(model, path, optimizer, extra)
     writer = _Writer(path + _location.INCOMPLETE_SUFFIX)
     with (
@@ -178,6 +186,7 @@ def async_save(
         A `PendingCheckpoint`; its `result()` (on every rank) completes the
         checkpoint and returns its directory.
     """
+    _agree_on("checkpoint.async_save()")
     group = _async_process_group()
     path, variables, marker = _begin_save(model, path, optimizer, extra, group)
     writer = _Writer(path + _location.INCOMPLETE_SUFFIX)

@@ -129,6 +129,19 @@ def _run(argv):
     runpy.run_path(script, run_name="__main__")
 
 
+def end_together():
+    """The script ended (returned, or `sys.exit(0)`): agree with the other
+    ranks that they ended too (`agreement.end_of_script`), where the script
+    used the package. A rank still in a collective call the others skipped
+    (`if rank == 0: model.save(...)`) and this one then raise the same
+    error, naming the call."""
+    if _PACKAGE not in sys.modules:  # no process group of the package
+        return
+    from keras_torch_distribution._distributed import agreement
+
+    agreement.end_of_script()
+
+
 def main(argv):
     """Run the target; a failure is recorded for the launcher, which
     prints it once for the job (`_record`), and Ctrl-C ends the rank
@@ -137,7 +150,12 @@ def main(argv):
 
     faulthandler.enable(all_threads=True)  # as torch's `record`
     try:
-        run_target(argv)
+        try:
+            run_target(argv)
+        except SystemExit as stop:
+            if stop.code not in (None, 0):
+                raise
+        end_together()
     except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)
     except Exception as error:
