@@ -19,6 +19,7 @@ import sys
 from keras_torch_distribution_cli import _light
 
 PROGRAM = "ktd"
+_PARENT_PID_VARIABLE = "KTD_PARENT_PID"  # _processes.record's
 _RUN_EPILOG = (
     "Every other option before SCRIPT is torchrun's and passes through "
     "unchanged (see `torchrun --help`), e.g. --nnodes, --rdzv-endpoint, "
@@ -176,7 +177,8 @@ def main(argv=None):
             with _light.package_without_keras():
                 from keras_torch_distribution.launch import _torchrun
 
-                print(_torchrun.backend_note(shell_backend), file=sys.stderr)
+                note = _torchrun.backend_note(shell_backend, "the script")
+            print(note, file=sys.stderr)
         from keras_torch_distribution.plan import _command as plan_command
 
         return plan_command.plan_and_print(
@@ -208,8 +210,23 @@ def _run(rest):
             file=sys.stderr,
         )
         return 2
-    # The launcher's modules, without the package's front (which imports
-    # Keras): `ktd run` checks and starts; the ranks import Keras.
+    # This process is the ranks' parent (`_torchrun` tells them), from now:
+    # the launch modules' logger leaves misspelled settings to `ktd run`.
+    parent_before = os.environ.get(_PARENT_PID_VARIABLE)
+    os.environ[_PARENT_PID_VARIABLE] = str(os.getpid())
+    try:
+        return _launch(rest)
+    finally:  # (main() is also called in tests' own process)
+        if parent_before is None:
+            del os.environ[_PARENT_PID_VARIABLE]
+        else:
+            os.environ[_PARENT_PID_VARIABLE] = parent_before
+
+
+def _launch(rest):
+    """`_torchrun.run(rest)`, its modules loaded without the package's
+    front (which imports Keras): `ktd run` checks and starts torchrun; the
+    ranks import Keras. Its exit status."""
     with _light.package_without_keras():
         from keras_torch_distribution.launch import _torchrun
 

@@ -282,12 +282,12 @@ def use_torch_backend(environ=os.environ):
         print(backend_note(said), file=sys.stderr)
 
 
-def backend_note(said):
+def backend_note(said, what="the ranks"):
     """The note for a shell whose KERAS_BACKEND is `said`, not torch."""
     return (
-        f"ktd: note: KERAS_BACKEND={said} in this shell; the ranks run Keras "
-        "on torch (KERAS_BACKEND=torch), the backend keras_torch_distribution "
-        "distributes."
+        f"ktd: note: KERAS_BACKEND={said} in this shell; ktd runs {what} with "
+        "Keras on torch (KERAS_BACKEND=torch), the backend "
+        "keras_torch_distribution distributes."
     )
 
 
