@@ -114,10 +114,6 @@ if not logger.filters:
     except ValueError as _error:  # `ktd env` flags it; `ktd run` refuses it
         logger.setLevel(logging.WARNING)
         logger.warning("%s Using WARNING.", _error)
-    # KTD_LOG_LEVL and the like: said here for torchrun's and Python's
-    # processes; a launcher of the package (KTD_PARENT_PID) said it already.
-    if _env.misspelled() and "KTD_PARENT_PID" not in os.environ:
-        logger.warning("%s", _env.misspelled_text(_env.misspelled()))
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -168,6 +164,18 @@ def warn_once(key, message, *args):
 
 
 _warned = set()
+
+
+def warn_misspelled_settings():
+    """Once: KTD_* variables that look like a setting but are none
+    (KTD_LOG_LEVL), said when a job starts in processes that torchrun or
+    Python started; a launcher of the package (KTD_PARENT_PID set) said it
+    already, once for the job."""
+    found = _env.misspelled()
+    if found and "KTD_PARENT_PID" not in os.environ:
+        warn_once(
+            ("misspelled", tuple(found)), "%s", _env.misspelled_text(found)
+        )
 
 
 # A level just above WARNING, so that notes show at the default level

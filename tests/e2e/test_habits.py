@@ -92,7 +92,7 @@ def _interrupt(sleeper):
             f"the sleeping ranks ended before they were ready (exit status "
             f"{sleeper.wait()}): {sleeper.stderr.read()}"
         )
-        pids += [int(w) for w in line.split()[2:3] if line.startswith("ready")]
+        pids.append(int(line.split()[2]))  # "ready RANK PID imported [...]"
     os.killpg(sleeper.pid, signal.SIGINT)
     gone = None
     while sleeper.poll() is None:

@@ -6,11 +6,10 @@ import os
 import sys
 import time
 
-heavy = [
-    m
-    for m in ("torch", "keras", "keras_torch_distribution")
-    if m in sys.modules
-]
-print("ready", os.environ["RANK"], os.getpid(), "imported", heavy, flush=True)
+HEAVY = ("torch", "keras", "keras_torch_distribution")
+heavy = [name for name in HEAVY if name in sys.modules]
+# One write: the ranks share the pipe, and print() writes its parts apart.
+sys.stdout.write(f"ready {os.environ['RANK']} {os.getpid()} imported {heavy}\n")
+sys.stdout.flush()
 if sys.argv[1:] == ["sleep"]:
     time.sleep(300)

@@ -14,6 +14,7 @@ Imports neither Keras nor the package's front at module level: the
 package is imported when Keras is.
 """
 
+import atexit
 import ctypes
 import importlib.abc
 import importlib.util
@@ -133,13 +134,19 @@ def end_together():
     """The script ended (returned, or `sys.exit(0)`): agree with the other
     ranks that they ended too (`agreement.end_of_script`), where the script
     used the package. A rank still in a collective call the others skipped
-    (`if rank == 0: model.save(...)`) and this one then raise the same
-    error, naming the call."""
+    (`if rank == 0: model.save(...)`) raises there, naming the call; this
+    one, which did nothing wrong, then exits at once with 0 (its exit hooks
+    run; the interpreter's teardown, seconds long, is skipped: the launcher
+    would stop it meanwhile, as if it had failed too)."""
     if _PACKAGE not in sys.modules:  # no process group of the package
         return
     from keras_torch_distribution._distributed import agreement
 
-    agreement.end_of_script()
+    if not agreement.end_of_script():
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def main(argv):
