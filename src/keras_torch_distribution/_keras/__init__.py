@@ -102,6 +102,12 @@ def layout_map_layouts(distribution):
     return list(layout_map.values()) if layout_map is not None else []
 
 
+def layout_map_keys(distribution):
+    """The keys of a ModelParallel's LayoutMap (none for others)."""
+    layout_map = getattr(distribution, "_layout_map", None)
+    return list(layout_map.keys()) if layout_map is not None else []
+
+
 def raw_value(variable):
     """A variable's stored tensor (no autocast, no stateless scope); None
     before it is initialized."""
