@@ -70,9 +70,9 @@ def test_a_map_whose_keys_match_nothing_warns_once_with_the_fix(pool2):
         "optimizer slots. Its keys 'up/kernel', 'down/kernel' match no "
         "variable's path: a key must match the whole path (re.fullmatch), and "
         "the paths here are like 'sequential/up/kernel', "
-        "'sequential/down/kernel', 'sequential/up/bias'. A key that starts with '.*' matches any "
-        "start of a path: write layout_map['.*up/kernel'] instead of "
-        "layout_map['up/kernel']."
+        "'sequential/down/kernel', 'sequential/up/bias'. A key that starts "
+        "with '.*' matches any start of a path: write "
+        "layout_map['.*up/kernel'] instead of layout_map['up/kernel']."
     ], said
     assert kernel != "DTensor"
 

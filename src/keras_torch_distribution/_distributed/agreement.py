@@ -235,10 +235,16 @@ class StopTogether(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        self._agree(f"epoch {self._epoch}, after batch {batch}")
+        self._agree(f"{self.epoch_text(self._epoch)}, after batch {batch + 1}")
 
     def on_epoch_end(self, epoch, logs=None):
-        self._agree(f"the end of epoch {epoch}")
+        self._agree(f"the end of {self.epoch_text(epoch)}")
+
+    def epoch_text(self, epoch):
+        """Epoch `epoch` (counted from 0) as Keras' progress bar shows it:
+        "Epoch 2/6"."""
+        epochs = (self.params or {}).get("epochs")
+        return f"Epoch {epoch + 1}" + (f"/{epochs}" if epochs else "")
 
     def _agree(self, where):
         codes = codes_of_ranks(
