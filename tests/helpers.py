@@ -10,6 +10,7 @@ Functions that run on the ranks import keras / torch inside.
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -91,11 +92,40 @@ def each_case(names, run):
     return results
 
 
+_PORT_CHOICE = random.SystemRandom()
+
+
+def _ephemeral_ports():
+    """The kernel's range for ports it picks itself (outgoing connections,
+    bind to port 0): (low, high), Linux's default when unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            low, high = (int(part) for part in file.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port():
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1, free now, below the kernel's ephemeral range.
+
+    A port the kernel picked (bind to port 0) and let go of is in the range
+    it hands out next to every outgoing connection (gloo's, the TCP
+    store's clients'), so one of them could take it before the test's
+    process listens there; below that range only another test picking at
+    random could (one chance in thousands)."""
+    low, _ = _ephemeral_ports()
+    candidates = range(10000, low) if low > 11000 else ()
+    for _ in range(100):
+        # Not the `random` module's state: tests seed it (Keras' seeds do).
+        port = _PORT_CHOICE.choice(candidates) if candidates else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError("no free port below the ephemeral range in 100 tries")
 
 
 def node_args(node, endpoint, run_id, nnodes=2, nproc=1):

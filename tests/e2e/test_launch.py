@@ -180,6 +180,25 @@ def test_a_rank_that_raises_mid_fit_ends_the_job():
 
 
 @pytest.mark.slow
+def test_a_rank_stopped_while_it_exits_is_named_with_its_exit_code(tmp_path):
+    """Rank 1 raises, and is still exiting when rank 0 fails: torchrun then
+    stops it (SIGTERM) and sees -15, not its 1. The summary names rank 1 and
+    the exit code it chose all the same (issue 49: this race dropped the
+    exit code from the line, by chance, in CI)."""
+    marker = str(tmp_path / "rank-1-exiting")
+    summary, _, stderr = _failed_launch(
+        "tests/scripts/rank_stopped_while_exiting.py", marker, timeout=180
+    )
+    assert os.path.exists(marker), stderr[-3000:]  # the race did happen
+    assert summary == (
+        "ktd run: rank 1 (local rank 1) failed first, exit code 1: "
+        "RuntimeError: deliberate failure on rank 1. torchrun stopped the "
+        "other processes; that rank's traceback is above."
+    ), stderr[-3000:]
+    assert "rank 0: RuntimeError: rank 0 gives up after rank 1." in stderr
+
+
+@pytest.mark.slow
 def test_a_rank_that_stops_answering_times_out():
     """Rank 1 sleeps instead of training: rank 0's gradient all-reduce gives
     up after KTD_TIMEOUT_SECONDS (the process group's timeout), and torchrun

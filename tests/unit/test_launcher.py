@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import tempfile
+import time
 
 import pytest
 import torch
@@ -315,7 +316,8 @@ def test_failure_summary_prefers_a_killed_rank_to_one_that_lost_it(tmp_path):
     # torchrun's SIGTERM, which stopped it after it raised, is no cause.
     summary = failure_summary({0: failures[0]})
     assert summary.startswith(
-        "ktd run: rank 0 (local rank 0) failed first: "
+        "ktd run: rank 0 (local rank 0) failed first, exit code unknown "
+        "(torchrun stopped it by SIGTERM after it raised): "
         "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
         "error [127.0.0.1]:16296: Connection reset by peer. This is typically "
         "caused by a remote worker hanging or bugs in the application. It lost "
@@ -353,6 +355,70 @@ def test_failure_summary_orders_and_words_each_kind_of_failure(tmp_path):
     late = _failure(tmp_path, 4, 1, 105, _LOST_PEER)
     early = _failure(tmp_path, 5, 1, 104, _LOST_PEER)
     assert failure_summary({4: late, 5: early}).startswith("ktd run: rank 5 ")
+
+
+def _raised(tmp_path, local_rank, message, exitcode_seen, exit_code=1):
+    """torchrun's record of a rank whose exception `launch._record` wrote
+    (it chose `exit_code`), seen by torchrun to exit with `exitcode_seen`."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from keras_torch_distribution.launch._record import record_failure
+
+    error_file = str(tmp_path / f"error_{local_rank}.json")
+    record_failure(
+        RuntimeError(message),
+        exit_code,
+        environ={"TORCHELASTIC_ERROR_FILE": error_file},
+    )
+    return ProcessFailure(
+        local_rank=local_rank,
+        pid=1000 + local_rank,
+        exitcode=exitcode_seen,
+        error_file=error_file,
+    )
+
+
+@pytest.mark.parametrize(
+    "seen",
+    [1, -signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGKILL],
+    ids=["exited", "stopped", "stopped-handled", "killed"],
+)
+@pytest.mark.parametrize(
+    "peer", ["lost-peer-exited-first", "peer-stopped"], ids=str
+)
+def test_a_rank_that_raised_is_named_with_the_exit_code_it_chose(
+    tmp_path, seen, peer
+):
+    """Rank 1 raised and recorded its exception; whatever reached torchrun
+    first (rank 1's own exit, or rank 0's failure on the lost connection,
+    after which torchrun stopped rank 1 while it was still exiting: SIGTERM,
+    143 where a handler took it, SIGKILL after the grace period), the
+    summary is the same line, naming the exit code rank 1 chose (issue 49:
+    it was missing when torchrun's stop arrived first)."""
+    failures = {1: _raised(tmp_path, 1, "deliberate failure", seen)}
+    if peer == "lost-peer-exited-first":
+        failures[0] = _raised(tmp_path, 0, _LOST_PEER[14:], 1)
+    else:  # stopped by torchrun after rank 1 raised: the same second, or later
+        failures[0] = _failure(tmp_path, 0, -signal.SIGTERM, int(time.time()))
+    assert failure_summary(failures) == (
+        "ktd run: rank 1 (local rank 1) failed first, exit code 1: "
+        "RuntimeError: deliberate failure. torchrun stopped the other "
+        "processes; that rank's traceback is above."
+    )
+
+
+def test_an_exception_without_its_exit_code_says_the_code_is_unknown(
+    tmp_path,
+):
+    """An error file without the code (torch's own `record` wrote it) of a
+    rank torchrun stopped after it raised: the code is unknown, and said
+    so, with the signal that stopped it."""
+    stopped = _failure(tmp_path, 1, -signal.SIGTERM, 100, "RuntimeError: x")
+    assert failure_summary({1: stopped}) == (
+        "ktd run: rank 1 (local rank 1) failed first, exit code unknown "
+        "(torchrun stopped it by SIGTERM after it raised): RuntimeError: x. "
+        "torchrun stopped the other processes; that rank's traceback is above."
+    )
 
 
 @pytest.mark.parametrize(

@@ -105,19 +105,20 @@ def failure_summary(failures, launcher="ktd run"):
     rank, failure = first_failure(failures)
     who = f"{launcher}: rank {rank} (local rank {failure.local_rank})"
     exception = _exception(failure)
-    preempted_by = preemption_signal(failure.exitcode)
+    exitcode = exit_code(failure)
+    preempted_by = preemption_signal(exitcode)
     if preempted_by is not None:
-        return _preempted(who, failure, preempted_by, exception, launcher)
-    if exception is None and failure.exitcode < 0:
+        return _preempted(who, exitcode, preempted_by, exception, launcher)
+    if exception is None and exitcode < 0:
         signal_name = failure.signal_name()
         return (
             f"{who} died first, by signal {signal_name} (exit code "
-            f"{failure.exitcode}). {signal_meaning(signal_name)} torchrun "
+            f"{exitcode}). {signal_meaning(signal_name)} torchrun "
             "stopped the other processes."
         )
     if exception is None:
         return (
-            f"{who} failed first, exit code {failure.exitcode}, without a "
+            f"{who} failed first, exit code {exitcode}, without a "
             "Python exception on record (it called sys.exit or os._exit, or a "
             "library ended the process); its output is above. torchrun stopped "
             "the other processes."
@@ -128,15 +129,32 @@ def failure_summary(failures, launcher="ktd run"):
         if _LOST_PEER.search(exception)
         else ""
     )
-    # A rank that raised and was then stopped by torchrun (a negative exit
-    # code) failed by its exception: the stop signal is no cause.
-    exit_code = (
-        f", exit code {failure.exitcode}" if failure.exitcode > 0 else ""
-    )
     return (
-        f"{who} failed first{exit_code}: {_cause(exception)}{lost_peer} "
-        "torchrun stopped the other processes; that rank's traceback is above."
+        f"{who} failed first, {_exit_code_words(failure, exitcode)}: "
+        f"{_cause(exception)}{lost_peer} torchrun stopped the other "
+        "processes; that rank's traceback is above."
     )
+
+
+def exit_code(failure):
+    """The exit code a failed rank chose: the one `launch._record` wrote
+    beside its exception, else the one torchrun saw. (torchrun stops the
+    other ranks once one has exited; a rank stopped while it was still
+    exiting after it raised shows torchrun's signal, which is no cause.)"""
+    recorded = _extra(failure).get("ktd_exitcode")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        return recorded
+    return failure.exitcode
+
+
+def _exit_code_words(failure, exitcode):
+    """ "exit code 1", or why it is unknown: a rank that raised without
+    saying its code (an error file torch's own `record` wrote) and was
+    stopped by torchrun before it exited."""
+    if exitcode > 0:
+        return f"exit code {exitcode}"
+    how = f"by {failure.signal_name()}" if exitcode < 0 else f"({exitcode})"
+    return f"exit code unknown (torchrun stopped it {how} after it raised)"
 
 
 def preemption_signal(exitcode):
@@ -149,13 +167,13 @@ def preemption_signal(exitcode):
     return None
 
 
-def _preempted(who, failure, signal_name, exception, launcher):
+def _preempted(who, exitcode, signal_name, exception, launcher):
     """The summary for a rank that stopped on a preemption signal."""
     said = f": {_cause(exception)}" if exception else "."
     restarts = _RESTARTS.get(launcher, "torchrun's --max-restarts N")
     return (
         f"{who} was preempted by {signal_name} (exit code "
-        f"{failure.exitcode}){said} It is resumable: relaunch the job, or "
+        f"{exitcode}){said} It is resumable: relaunch the job, or "
         f"use {restarts} to restart it in place (keras.callbacks."
         "BackupAndRestore resumes from its newest backup)."
     )

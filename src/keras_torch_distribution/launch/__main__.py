@@ -166,7 +166,7 @@ def main(argv):
     except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)
     except Exception as error:
-        record_failure(error)
+        record_failure(error, exit_code=1)
         sys.exit(1)
 
 

@@ -6,7 +6,11 @@ with two more fields the launcher prints from (`_processes.failures`):
   patch table and the package (as Keras filters its own frames), so that
   the user's line is the last one above the error;
 - `ktd_time`: when it failed, in seconds to the microsecond (torch keeps
-  whole seconds, too coarse to tell which rank failed first).
+  whole seconds, too coarse to tell which rank failed first);
+- `ktd_exitcode`: the exit code it is about to exit with. torchrun stops
+  the other ranks as soon as one has exited, and a rank stopped while it
+  was still exiting (its atexit hooks, the process group's teardown) shows
+  torchrun's SIGTERM instead: the launcher says the code the rank chose.
 
 The rank then exits 1 without printing its traceback: the launcher prints
 the first failure once. It prints it itself where nobody else will: with
@@ -90,9 +94,9 @@ def _restarts_left(environ):
     return int(done) < int(most)
 
 
-def record_failure(error, environ=os.environ):
-    """Record `error` for the launcher, and print it here where the
-    launcher will not."""
+def record_failure(error, exit_code, environ=os.environ):
+    """Record `error` for the launcher, with the `exit_code` this process
+    then exits with, and print it here where the launcher will not."""
     path = environ.get("TORCHELASTIC_ERROR_FILE")
     short = short_traceback(error)
     if path:
@@ -107,6 +111,7 @@ def record_failure(error, environ=os.environ):
                     "timestamp": str(int(time.time())),
                     "ktd_traceback": short,
                     "ktd_time": time.time(),
+                    "ktd_exitcode": exit_code,
                 },
             }
         }
