@@ -232,14 +232,13 @@ def _launch(rest):
 
         try:
             _torchrun.run(rest)
-        except (_torchrun.Signalled, _torchrun.Refused) as stopped:
+        except (
+            _torchrun.Failed,
+            _torchrun.Signalled,
+            _torchrun.Refused,
+        ) as stopped:
             print(stopped.message, file=sys.stderr)
             return stopped.code
-        except SystemExit as stopped:  # ranks failed: the report, once
-            if isinstance(stopped.code, str):
-                print(stopped.code, file=sys.stderr)
-                return 1
-            return stopped.code or 0
     return 0
 
 

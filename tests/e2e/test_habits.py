@@ -10,7 +10,8 @@
   error names model.save and the fix in a few lines, no hang;
 - a script that never imports Keras: its ranks start without importing
   torch, Keras or the package; Ctrl-C gives the prompt back right after
-  the ranks are gone.
+  the ranks are gone; `sys.exit(3)` on every rank is said with its code
+  and line, and `ktd run` exits 3.
 
 Refusals before any rank starts (a missing script, a directory, a syntax
 error) are tests/unit/test_cli.py's.
@@ -106,6 +107,8 @@ def _interrupt(sleeper):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("habits")
+    exits = tmp / "exits"
+    exits.mkdir()
     jax = _jax_shell(tmp)
     plain = job_env(keep_backend=False)
     runs = {
@@ -114,6 +117,7 @@ def launched(tmp_path_factory):
         "save": (["run", "-n", "2", MISTAKES, "save"], plain),
         "save-fit": (["run", "-n", "2", MISTAKES, "save-fit"], plain),
         "no keras": (["run", "-n", "2", NO_KERAS], plain),
+        "exit 3": (["run", "-n", "2", NO_KERAS, "exit", str(exits)], plain),
         "sleep": (["run", "-n", "2", NO_KERAS, "sleep"], plain),
     }
     processes = [_ktd(*args, cwd=tmp, env=env) for args, env in runs.values()]
@@ -182,3 +186,13 @@ def test_ctrl_c_gives_the_prompt_back_right_after_the_ranks(launched):
     assert results["sleep"].returncode == 130, results["sleep"].stderr
     assert len(results["sleep"].stderr.splitlines()) == 1
     assert after_ranks < 2, after_ranks
+
+
+def test_sys_exit_3_on_every_rank_is_said_once_and_exits_3(launched):
+    result = launched[0]["exit 3"]
+    lines = result.stderr.splitlines()
+    assert result.returncode == 3, result.stderr
+    assert len(lines) == 2, lines
+    assert lines[0] in ("rank 0: same exit.", "rank 1: same exit."), lines
+    assert "exited first with code 3 (sys.exit at " in lines[1], lines
+    assert "no_keras.py:" in lines[1] and "did the same." in lines[1], lines

@@ -35,6 +35,7 @@ import uuid
 import keras_torch_distribution._processes.environments as environments
 from keras_torch_distribution import _env
 from keras_torch_distribution._processes.failures import failure_report
+from keras_torch_distribution._processes.failures import launcher_exit_code
 from keras_torch_distribution._processes.failures import quiet_agent_logs
 from keras_torch_distribution._processes.record import PARENT_PID_VARIABLE
 
@@ -166,7 +167,8 @@ def start_processes(launch, timeout_seconds):
             elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as error:
         report = failure_report(error.failures, LAUNCHER_NAME, full)
-        raise SystemExit(f"{error}\n{report}" if full else report) from None
+        print(f"{error}\n{report}" if full else report, file=sys.stderr)
+        raise SystemExit(launcher_exit_code(error.failures)) from None
     except SignalException as error:  # Ctrl-C, a scheduler's SIGTERM: one line
         name = signal.Signals(error.sigval).name
         print(

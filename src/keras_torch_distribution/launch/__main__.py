@@ -24,6 +24,8 @@ import signal
 import sys
 
 from keras_torch_distribution._processes.record import PARENT_PID_VARIABLE
+from keras_torch_distribution.launch._record import exit_code_of
+from keras_torch_distribution.launch._record import record_exit
 from keras_torch_distribution.launch._record import record_failure
 
 USAGE = (
@@ -160,7 +162,8 @@ def main(argv):
         try:
             run_target(argv)
         except SystemExit as stop:
-            if stop.code not in (None, 0):
+            if exit_code_of(stop) != 0:
+                record_exit(stop)  # the code, and the line: said once
                 raise
         end_together()
     except KeyboardInterrupt:

@@ -27,6 +27,7 @@ import sys
 
 from keras_torch_distribution import _env
 from keras_torch_distribution._processes.failures import failure_report
+from keras_torch_distribution._processes.failures import launcher_exit_code
 from keras_torch_distribution._processes.failures import quiet_agent_logs
 from keras_torch_distribution._processes.record import PARENT_PID_VARIABLE
 from keras_torch_distribution._processes.spawn import handled_signals
@@ -262,6 +263,16 @@ def _watch_agent(arguments):
     return watch
 
 
+class Failed(SystemExit):
+    """Ranks failed: `ktd` prints `message` (the failure report) and exits
+    with the code the first failed rank chose (1 for an exception, N for
+    `sys.exit(N)`; 1 for a signal)."""
+
+    def __init__(self, message, code):
+        super().__init__(code)
+        self.message = message
+
+
 class Signalled(SystemExit):
     """`ktd run`'s torchrun agent got a signal it handles, passed it on to
     the ranks and stopped them: exit with 128 + the signal (as a process
@@ -325,7 +336,10 @@ def run(argv):
         # error once, and which rank failed first, without the launcher's
         # own traceback (KTD_FULL_TRACEBACKS=1: torchrun's table as well).
         report = failure_report(error.failures, full_tracebacks=full)
-        raise SystemExit(f"{error}\n{report}" if full else report) from None
+        raise Failed(
+            f"{error}\n{report}" if full else report,
+            launcher_exit_code(error.failures),
+        ) from None
     except SignalException as error:
         # torchrun's agent got a signal it handles (SIGTERM, SIGUSR1, ...),
         # passed it on to the ranks, stopped them and does not restart them.
