@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._log import warn_on_every_rank
+from keras_torch_distribution._processes import lost_hosts
 from keras_torch_distribution._processes import runtime
 
 
@@ -137,6 +138,11 @@ def end_of_script():
         compare(END_OF_SCRIPT, [])
     except RanksDisagreeError:
         return False
+    except RuntimeError as error:  # (torch's DistBackendError among them)
+        if not lost_hosts.is_lost_peer(error):
+            raise
+        # A rank that ended without agreeing (os._exit, or a failure the
+        # launcher reports): nothing is left to agree with.
     return True
 
 
