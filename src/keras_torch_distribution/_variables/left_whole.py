@@ -63,6 +63,12 @@ def suggested_axes(shape, mesh_axes, batch_axis):
     return tuple(axis if d == dim else None for d in range(len(shape)))
 
 
+def advice(key, axes):
+    """The one line of advice fit, `ktd plan` and `ktd report` give for a
+    variable left whole: the LayoutMap entry that would shard it."""
+    return f"layout_map[{key!r}] = {tuple(axes)}"
+
+
 def layout_map_key(path):
     """A LayoutMap key that matches the variable at `path` (its path, with
     regular-expression characters escaped)."""
@@ -209,13 +215,12 @@ def warn_if_left_whole(model_variables, distribution):
             "%.1f%% of the model's variables, with its gradient and optimizer "
             "slots, while the LayoutMap shards %d other variables. No "
             "LayoutMap key shards it. To store it 1/%d per rank, add "
-            "layout_map[%r] = %s before building the model.",
+            "%s before building the model.",
             variable.path,
             tuple(variable.shape),
             f"{entry['bytes']:,}",
             100 * entry["share"],
             entry["sharded_count"],
             entry["ways"],
-            entry["key"],
-            entry["axes"],
+            advice(entry["key"], entry["axes"]),
         )

@@ -28,6 +28,7 @@ import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._keys as _keys
 import keras_torch_distribution.checkpoint._location as _location
 import keras_torch_distribution.checkpoint._storage as _storage
+from keras_torch_distribution import _keras
 from keras_torch_distribution._distributed import agreement
 from keras_torch_distribution._log import human_bytes
 from keras_torch_distribution._log import logger
@@ -62,7 +63,22 @@ def _marker(variables, optimizer, extra):
         "num_processes": runtime.num_processes(),
         "optimizer": bool(optimizer),
         "variables": {k: list(v.shape) for k, v in variables.items()},
+        "mesh": _mesh_of(_keras.current_distribution()),
         "extra": extra,
+    }
+
+
+def _mesh_of(distribution):
+    """The distribution's mesh (shape, axis names, batch axis) for the
+    marker, so that `ktd report` advises on the axes fit does; None
+    without one."""
+    mesh = getattr(distribution, "device_mesh", None)
+    if mesh is None:
+        return None
+    return {
+        "shape": [int(n) for n in mesh.shape],
+        "axis_names": list(mesh.axis_names),
+        "batch_axis": getattr(distribution, "batch_dim_name", None),
     }
 
 
