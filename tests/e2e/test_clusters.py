@@ -79,8 +79,8 @@ def _env(marker, **extra):
         KTD_DEVICE="cpu",
         KTD_TIMEOUT_SECONDS="120",
         KTD_TEST_MARKER=marker,
-        **extra,
     )
+    env.update(extra)
     return env
 
 
@@ -120,6 +120,16 @@ def _marked_processes(marker):
         if state != "Z":
             found.append(int(name))
     return found
+
+
+def _processes_left(marker, within=30):
+    """The marked processes still alive after waiting up to `within` seconds
+    for them to go (a process the kernel kills with its parent, or one its
+    launcher stopped, may take a moment to end): [] once all are gone."""
+    deadline = time.monotonic() + within
+    while _marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _marked_processes(marker)
 
 
 def _numbers(results):
@@ -249,7 +259,7 @@ def test_num_processes_starts_the_local_processes(reference, marker):
     2 GPUs) and exits 0 with them; the launcher itself prints nothing."""
     (result,) = _run_all([_env(marker, KERAS_DISTRIBUTION_NUM_PROCESSES="2")])
     _assert_one_process_numbers([result], reference)
-    assert _marked_processes(marker) == []
+    assert _processes_left(marker) == []
 
 
 @pytest.mark.slow
@@ -278,13 +288,19 @@ def test_a_started_process_that_raises_ends_the_command(marker):
     """Process 1 raises after its first epoch: the agent stops process 0,
     and the command exits non-zero in bounded time, its last line naming
     process 1 and its exception; no process is left."""
-    start = time.monotonic()
+    # A hang would last the process group's timeout (600 s here): the
+    # command must end within 400 s.
     (result,) = _run_all(
-        [_env(marker, KERAS_DISTRIBUTION_NUM_PROCESSES="2")],
+        [
+            _env(
+                marker,
+                KERAS_DISTRIBUTION_NUM_PROCESSES="2",
+                KTD_TIMEOUT_SECONDS="600",
+            )
+        ],
         ("tests/scripts/rank_fails.py", "raise"),
-        timeout=240,
+        timeout=400,
     )
-    elapsed = time.monotonic() - start
     assert result.returncode != 0, result.stdout[-3000:]
     assert "finished training" not in result.stdout
     last = result.stderr.strip().splitlines()[-1]
@@ -297,8 +313,7 @@ def test_a_started_process_that_raises_ends_the_command(marker):
         result.stderr[-4000:]
     )
     assert "rank 1: Traceback (most recent call last)" in result.stderr
-    assert elapsed < 180, f"took {elapsed:.0f} s"
-    assert _marked_processes(marker) == []
+    assert _processes_left(marker) == []
 
 
 @pytest.mark.slow
@@ -325,10 +340,7 @@ def test_started_processes_die_with_a_killed_launcher(marker):
         )
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(30)
-        deadline = time.monotonic() + 20
-        while _marked_processes(marker) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _marked_processes(marker) == []
+        assert _processes_left(marker) == []
     finally:
         for pid in _marked_processes(marker):
             os.kill(pid, signal.SIGKILL)  # started by this test
