@@ -1,11 +1,16 @@
 """The `ktd` command's parser: `ktd run`, `ktd env`, `ktd report`, `ktd plan`.
 
-A package of its own, beside `keras_torch_distribution`, so that `ktd
---help`, `ktd --version` and every usage error answer without importing
-torch, Keras or `keras_torch_distribution` (whose `__init__` imports both
-and installs the backend into Keras: 5 s and more). Each subcommand imports
-what it needs only once its arguments are parsed; its work is done in
-`keras_torch_distribution.cli` (env, report), `.launch` (run) and `.plan`.
+A package of its own, beside `keras_torch_distribution` and above it (that
+package never imports this one, but for `python -m keras_torch_distribution`),
+so that `ktd --help`, `ktd --version` and every usage error answer without
+importing torch, Keras or `keras_torch_distribution` (whose `__init__`
+imports both and installs the backend into Keras: 5 s and more). Each
+subcommand imports what it needs only once its arguments are parsed; its
+work is done in `keras_torch_distribution.cli` (env, report), `.launch`
+(run) and `.plan`. `ktd env`, `report` and `plan` run Keras on torch under
+any KERAS_BACKEND; `ktd run` never imports Keras: it loads the package's
+launch modules without the package's `__init__` (`_light`), and each rank
+it starts runs `_rank` first.
 
 Exit status: 0 on success and for `--help`, 2 for a usage error or an
 argument refused before anything starts, 130 on Ctrl-C, otherwise the
@@ -19,7 +24,6 @@ import sys
 from keras_torch_distribution_cli import _light
 
 PROGRAM = "ktd"
-_PARENT_PID_VARIABLE = "KTD_PARENT_PID"  # _processes.record's
 _RUN_EPILOG = (
     "Every other option before SCRIPT is torchrun's and passes through "
     "unchanged (see `torchrun --help`), e.g. --nnodes, --rdzv-endpoint, "
@@ -210,17 +214,7 @@ def _run(rest):
             file=sys.stderr,
         )
         return 2
-    # This process is the ranks' parent (`_torchrun` tells them), from now:
-    # the launch modules' logger leaves misspelled settings to `ktd run`.
-    parent_before = os.environ.get(_PARENT_PID_VARIABLE)
-    os.environ[_PARENT_PID_VARIABLE] = str(os.getpid())
-    try:
-        return _launch(rest)
-    finally:  # (main() is also called in tests' own process)
-        if parent_before is None:
-            del os.environ[_PARENT_PID_VARIABLE]
-        else:
-            os.environ[_PARENT_PID_VARIABLE] = parent_before
+    return _launch(rest)
 
 
 def _launch(rest):

@@ -152,7 +152,9 @@ def test_a_store_that_does_not_answer_names_the_coordinators_host(
 
 _STUCK_AGENT = """
 import os, subprocess, time
-from keras_torch_distribution.launch import _stuck_agent
+from keras_torch_distribution_cli._light import package_without_keras
+with package_without_keras():  # as `ktd run` loads it: without Keras
+    from keras_torch_distribution.launch import _stuck_agent
 _stuck_agent.Watch("node-a:29400").start()
 rank = dict(os.environ, TORCHELASTIC_RUN_ID="x", RANK="1", LOCAL_RANK="0")
 failing = subprocess.Popen(["sh", "-c", "sleep 1; exit 3"], env=rank)
