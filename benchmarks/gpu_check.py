@@ -2,6 +2,9 @@
 
     tools/gpu-check [--sections a,b,...] [--quick] [--jobs N]
 
+Without CUDA and without --sections, it runs the CPU part (--quick: a few
+minutes); `--sections NAME` runs a section at full size anyway.
+
 Writes benchmarks/results/gpu.json and prints a readable summary. Every
 section runs in a fresh child process (a crash, a hang or a CUDA error in
 one does not stop the others; each has a timeout). Correctness sections run
@@ -154,9 +157,12 @@ def run_child(section, args=(), timeout=600, env=None):
             code = proc.returncode
         except subprocess.TimeoutExpired as expired:
             tail = (
-                (expired.stdout or b"").decode(errors="replace")
-                + (expired.stderr or b"").decode(errors="replace")
-            )[-4000:]
+                f"timed out after {timeout:g} s (this section's limit); its "
+                "last output:\n"
+                + (_text(expired.stdout) + _text(expired.stderr) or "(none)")[
+                    -4000:
+                ]
+            )
             code = "timeout"
         seconds = round(time.perf_counter() - start, 1)
         if os.path.exists(out):
@@ -169,6 +175,30 @@ def run_child(section, args=(), timeout=600, env=None):
         if result["status"] != "ok" and "output" not in result:
             result["output"] = tail
         return result
+
+
+def _text(output):
+    """A child's captured output as text (bytes where it timed out)."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
+
+
+def default_jobs(cpus=None):
+    """Sections run at a time: half the CPUs (each section computes on
+    several threads), 1 to 4."""
+    cpus = os.cpu_count() if cpus is None else cpus
+    return max(1, min(4, (cpus or 1) // 2))
+
+
+def chosen_sections(sections, quick, cuda):
+    """(section names, quick): the --sections given, else every section;
+    without CUDA and without --sections, the CPU part (--quick)."""
+    if sections:
+        return sections.split(","), quick
+    if quick or not cuda:
+        return list(QUICK), True
+    return list(SECTIONS), False
 
 
 def main(argv=None):
@@ -194,7 +224,12 @@ def main(argv=None):
             "modes"
         ),
     )
-    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="sections run at a time (default: half the CPUs, 1 to 4)",
+    )
     parser.add_argument(
         "--out", default=os.path.join(HERE, "results", "gpu.json")
     )
@@ -207,22 +242,24 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         return child_main(args)
-    if args.quick:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    names, quick = chosen_sections(args.sections, args.quick, cuda)
+    if quick and not args.quick:
+        print(
+            "gpu-check: no CUDA here: the CPU part (--quick); --sections NAME "
+            "runs a section at full size.",
+            flush=True,
+        )
+    if quick:
         os.environ["KTD_GPU_CHECK_QUICK"] = "1"
     if args.profile:
         os.environ["KTD_GPU_CHECK_PROFILE"] = "1"
     if args.speed_modes:
         os.environ["KTD_GPU_CHECK_SPEED_MODES"] = args.speed_modes
 
-    import torch
-
-    cuda = torch.cuda.is_available()
-    gpus = torch.cuda.device_count() if cuda else 0
-    names = (
-        args.sections.split(",")
-        if args.sections
-        else (QUICK if args.quick else list(SECTIONS))
-    )
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         parser.error(
@@ -264,7 +301,8 @@ def main(argv=None):
         write()
         return result
 
-    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    jobs = max(1, args.jobs or default_jobs())
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         list(pool.map(run, together))
     for name in alone:
         run(name)
@@ -498,9 +536,13 @@ def summarize(report):
                 if "error" in run:
                     line += f"\n      {run['name']:24} failed"
                     continue
-                line += (
-                    f"\n      {run['name']:24} peak {run['peak_mib']:8.1f} "
-                    f"MiB, expected {run['expected_mib']:8.1f} MiB"
+                peak = run.get("peak_mib")
+                line += f"\n      {run['name']:24} " + (
+                    f"peak {peak:8.1f} MiB, expected "
+                    f"{run['expected_mib']:8.1f} MiB"
+                    if isinstance(peak, (int, float)) and peak == peak
+                    else f"expected {run['expected_mib']:8.1f} MiB (the peak "
+                    "is measured on CUDA only)"
                 )
                 for row in run.get("peak_above_start", {}).get("by_origin", [])[
                     :6
@@ -1069,8 +1111,8 @@ def _world_child(world):
                     run["alloc_retries"] = torch.cuda.memory_stats().get(
                         "num_alloc_retries", 0
                     )
-                else:
-                    run["peak_mib"] = float("nan")
+                else:  # (measured on CUDA only)
+                    run["peak_mib"] = None
             except Exception:  # recorded per run
                 run["error"] = traceback.format_exc()[-2000:]
             finally:

@@ -47,9 +47,14 @@ variable, the value and what is accepted:
   starts are started again after one of them fails (torchrun's
   --max-restarts for them), an integer >= 0; default 0.
 
+A KTD_* variable that names no setting but is close to one (KTD_LOG_LEVL)
+is named, with the setting meant (`misspelled`): `ktd run`, `ktd env` and
+the package's logger say so once.
+
 Imports nothing from the package, so every module may use it.
 """
 
+import difflib
 import logging
 import math
 import os
@@ -300,6 +305,49 @@ SETTINGS = (
     ("KTD_FAST_OPS", "1", fast_ops),
     ("KTD_FLOAT8_MATMUL", "auto", float8_matmul),
 )
+
+
+# Read elsewhere in the package (`_processes`) and by its tools: not
+# misspellings.
+OTHER_VARIABLES = (
+    "KTD_CLUSTER",
+    "KTD_SPAWN",
+    "KTD_LAUNCHED",  # set in the processes initialize() starts
+    "KTD_PARENT_PID",  # set in every process a launcher starts
+    "KTD_TEST_DEVICE",  # tests/
+    "KTD_KERAS",  # tools/test-torch
+    "KTD_KERAS_HUB",
+    "KTD_TORCH_CACHE",
+)
+
+
+def misspelled(environ=None):
+    """[(name, the setting it most likely means)] for each KTD_* variable
+    of `environ` (default: this process's) that is no setting but close to
+    one, e.g. ("KTD_LOG_LEVL", "KTD_LOG_LEVEL")."""
+    environ = os.environ if environ is None else environ
+    known = [name for name, _, _ in SETTINGS] + list(OTHER_VARIABLES)
+    found = []
+    for name in sorted(environ):
+        if not name.startswith("KTD_") or name in known:
+            continue
+        if name.startswith("KTD_GPU_CHECK_"):  # tools/gpu-check's own
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:
+            found.append((name, close[0]))
+    return found
+
+
+def misspelled_text(pairs):
+    """One sentence naming `misspelled()`'s pairs and the fix."""
+    said = ", ".join(f"{name} (did you mean {meant}?)" for name, meant in pairs)
+    one = len(pairs) == 1
+    return (
+        f"{said} {'is' if one else 'are'} no KTD_* setting and "
+        f"{'is' if one else 'are'} ignored: rename or unset "
+        f"{'it' if one else 'them'} (`ktd env` lists every setting)."
+    )
 
 
 def setting_errors():

@@ -22,15 +22,16 @@ import re
 import sys
 import warnings
 
-import torch.distributed as dist
-
 from keras_torch_distribution import _env
 
 
 def _rank():
     """This process's rank: the running group's, else the launcher's RANK
-    (so that messages from before the group starts are not said N times)."""
-    if dist.is_available() and dist.is_initialized():
+    (so that messages from before the group starts are not said N times).
+    (torch.distributed is not imported here: `ktd run` uses this module
+    before torch is imported, and no group runs before it is.)"""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     text = os.environ.get("RANK", "0")
     return int(text) if text.isdigit() else 0
@@ -87,10 +88,14 @@ class _RankPrefix(logging.Formatter):
         self.inner = inner or logging.Formatter()
 
     def format(self, record):
+        ours = record.name.startswith(logger.name) and hasattr(record, "rank")
+        if ours and getattr(self.inner, "_fmt", None) == logging.BASIC_FORMAT:
+            # `logging.basicConfig()`'s "WARNING:name:" (a library's, absl's
+            # or grain's, more often than the application's): the package's
+            # own format instead of a second prefix.
+            return _OWN_FORMAT.format(record)
         text = self.inner.format(record)
-        if record.name.startswith(logger.name) and hasattr(record, "rank"):
-            return f"[ktd rank {record.rank}] {text}"
-        return text
+        return f"[ktd rank {record.rank}] {text}" if ours else text
 
     def __getattr__(self, name):  # the inner formatter's own attributes
         if name == "inner":  # (not set yet: a copy being made)
@@ -98,15 +103,16 @@ class _RankPrefix(logging.Formatter):
         return getattr(self.inner, name)
 
 
+_OWN_FORMAT = logging.Formatter(
+    "[ktd rank %(rank)s] %(levelname)s: %(message)s"
+)
 logger = logging.getLogger("keras_torch_distribution")
 if not logger.filters:
     # On the logger, not a handler: other ranks' records are dropped before
     # any handler sees them, the application's included.
     logger.addFilter(_RankFilter())
     _handler = _UntilConfigured()
-    _handler.setFormatter(
-        logging.Formatter("[ktd rank %(rank)s] %(levelname)s: %(message)s")
-    )
+    _handler.setFormatter(_OWN_FORMAT)
     logger.addHandler(_handler)
     try:
         logger.setLevel(_env.log_level())
@@ -163,6 +169,18 @@ def warn_once(key, message, *args):
 
 
 _warned = set()
+
+
+def warn_misspelled_settings():
+    """Once: KTD_* variables that look like a setting but are none
+    (KTD_LOG_LEVL), said when a job starts in processes that torchrun or
+    Python started; a launcher of the package (KTD_PARENT_PID set) said it
+    already, once for the job."""
+    found = _env.misspelled()
+    if found and "KTD_PARENT_PID" not in os.environ:
+        warn_once(
+            ("misspelled", tuple(found)), "%s", _env.misspelled_text(found)
+        )
 
 
 # A level just above WARNING, so that notes show at the default level
@@ -310,16 +328,44 @@ if getattr(warnings.showwarning, "__name__", "") != _show_warning.__name__:
     warnings.showwarning = _show_warning
 
 
+def hide_expected_warnings():
+    """Filter out warnings about what the package does on purpose: torch's
+    when a one-element plain tensor meets a DTensor (a Dense(1)'s bias
+    beside a row-parallel output), which the package treats as replicated
+    (DTensor's implicit replication)."""
+    warnings.filterwarnings(
+        "ignore",
+        message="Found a non-scalar tensor with numel=1 and ndim!=0, we are "
+        "implicitly creating a replicated DTensor",
+        category=UserWarning,
+    )
+
+
+hide_expected_warnings()
+
+
+# Loggers that print through handlers of their own instead of the root
+# logger's (torch sets up "torch" so): quieted on the other ranks as the
+# root logger is, while they keep torch's default level.
+_OWN_HANDLER_LOGGERS = ("torch",)
+
+
 def quiet_other_ranks():
     """On a rank other than 0, raise the root logger's level to ERROR while
-    nobody has configured it (no handler, level WARNING): other libraries'
-    warnings and info are then said once per job, by rank 0. Nothing with
-    KTD_LOG_ALL_RANKS=1."""
+    nobody has configured it (no handler, level WARNING), and torch's
+    logger's (it prints through a handler of its own) while it keeps its
+    default level: other libraries' warnings and info, torch's notices
+    ("CPU process group does not support alltoall yet") among them, are then
+    said once per job, by rank 0. Nothing with KTD_LOG_ALL_RANKS=1."""
     root = logging.getLogger()
     if _rank() == 0 or every_rank():
         return
     if not root.handlers and root.level == logging.WARNING:
         root.setLevel(logging.ERROR)
+    for name in _OWN_HANDLER_LOGGERS:
+        own = logging.getLogger(name)
+        if own.level in (logging.NOTSET, logging.WARNING):
+            own.setLevel(logging.ERROR)
 
 
 def rank_zero_print(*args, **kwargs):

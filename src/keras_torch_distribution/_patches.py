@@ -204,6 +204,13 @@ def _patch_table():
             boundary.plain_losses,
             wrap=True,
         ),
+        # A mesh shaped for another number of devices says what to change.
+        Patch(
+            k.DeviceMesh,
+            "__init__",
+            distribution_lib.check_device_mesh,
+            wrap=True,
+        ),
         # Distributions check their batch axis and mesh when constructed.
         Patch(
             k.Distribution,

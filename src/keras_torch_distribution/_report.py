@@ -149,7 +149,7 @@ def format_report(tables: list[list[dict[str, Any]]]) -> str:
                 f"WHOLE: {row['path']} is whole on every rank "
                 f"({human_bytes(row['bytes'])}, {100 * whole['share']:.1f}% "
                 "of the model's variables) while the layout map shards "
-                f"others; layout_map[{whole['key']!r}] = {whole['axes']} "
+                f"others; {left_whole.advice(whole['key'], whole['axes'])} "
                 "would shard it"
             )
     return "\n".join(lines)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from keras_torch_distribution import _keras
 from keras_torch_distribution import _log
+from keras_torch_distribution._distributed import agreement
 from keras_torch_distribution._distributed import safetensors_file
 from keras_torch_distribution._distributed import stored_values
 from keras_torch_distribution._processes import runtime
@@ -45,6 +46,9 @@ from keras_torch_distribution._variables import left_whole
 def _collective_write(original, model, filepath, *args, **kwargs):
     if not runtime.is_multi_process():
         return original(model, filepath, *args, **kwargs)
+    # Every rank is here: a rank-0-only save raises on every rank, naming
+    # what the others do, instead of waiting for them.
+    agreement.compare(f"model.{original.__name__}()", [])
     if runtime.process_id() == 0:
         try:
             return original(model, filepath, *args, **kwargs)

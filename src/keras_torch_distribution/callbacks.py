@@ -1,9 +1,10 @@
 """Keras callbacks for distributed training: `Throughput`, given to `fit`
 as `callbacks=[Throughput(flops_per_sample=...)]`, adds samples/s,
-tokens/s, step_ms, peak_mem_MiB (and the worst rank, peak_mem_rank) and
-MFU to the progress line, e.g. `20/20 - 2s - loss: 0.5200 - samples/s:
-651.2000 - tokens/s: 83353.6000 - step_ms: 98.3000 - peak_mem_MiB:
-812.4000 - peak_mem_rank: 1.0000 - MFU: 0.4100`.
+tokens/s, step_ms, peak_mem_MiB (and, on several processes, the worst
+rank, peak_mem_rank) and MFU to the progress line, each with the digits
+it needs, e.g. `20/20 - 2s 98ms/step - loss: 0.5200 - samples/s: 651 -
+tokens/s: 83354 - step_ms: 98.3 - peak_mem_MiB: 812 - peak_mem_rank: 1 -
+MFU: 0.41`.
 """
 
 from __future__ import annotations
@@ -71,6 +72,28 @@ def token_count(x):
     return None
 
 
+class Figure(float):
+    """A figure of the progress line: a float everywhere (history,
+    CSVLogger, arithmetic), shown by Keras' progress bar with the digits
+    it needs ("651", "98.3", "0.41", a rank "1"), not Keras' four decimals
+    ("0.0000e+00" for rank 0), which made lines of 165 to 230 characters
+    that wrapped at every update."""
+
+    def __new__(cls, value, whole=False):
+        figure = super().__new__(cls, value)
+        figure.whole = whole
+        return figure
+
+    def __truediv__(self, other):  # Keras' progress bar averages: x / 1
+        return Figure(float(self) / other, self.whole)
+
+    def __format__(self, spec):
+        value = float(self)
+        if self.whole or abs(value) >= 100:
+            return f"{value:.0f}"
+        return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
+
+
 def _rows(x):
     """Rows of this process's batch `x` (its first leaf's leading dim)."""
     first = keras.tree.flatten(x)[0]
@@ -82,14 +105,17 @@ class Throughput(keras.callbacks.Callback):
 
     Adds to the logs: `samples/s` (global batch, all replicas), `tokens/s`
     (where an input holds integer token ids: its elements, all replicas),
-    `step_ms` (the epoch's wall time per step), `peak_mem_MiB` (while the
-    epoch runs, this rank's peak; at its end the worst rank's, named by
-    `peak_mem_rank`) and `MFU` on CUDA where `flops_per_sample` is given
+    `step_ms` (wall time per step), `peak_mem_MiB` (while the epoch runs,
+    this rank's peak; at its end the worst rank's, named by
+    `peak_mem_rank` on several processes) and `MFU` on CUDA where
+    `flops_per_sample` is given
     (its training FLOPs per sample, e.g. 6 x parameters x sequence length
     for a transformer, over the devices' peak: `peak_flops` per device, or
     PEAK_FLOPS by the device's name). Figures come from host clocks and
     counters: no device sync per step; the ranks' peaks are gathered once,
-    at the epoch's end. `epochs` keeps each epoch's figures.
+    at the epoch's end. As Keras' `ms/step`, the rates leave out each
+    epoch's first step (which compiles and warms up) when the epoch has
+    more. `epochs` keeps each epoch's figures.
 
     Collective (at each epoch's end): give it to `fit` on every rank.
     """
@@ -141,6 +167,7 @@ class Throughput(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._samples, self._tokens, self._steps = 0, None, 0
         self._started = self._memory_read = None
+        self._first = None  # (end, samples, tokens) of the epoch's first step
         self._peak = 0
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -151,26 +178,48 @@ class Throughput(keras.callbacks.Callback):
         self._steps += 1
         now = time.perf_counter()
         self._ended = now
+        if self._first is None:
+            self._first = (now, self._samples, self._tokens)
         if self._memory_read is None or now - self._memory_read > MEMORY_EVERY:
             self._memory_read = now
             self._peak = peak_memory_bytes()
         if logs is not None:
             logs.update(self.figures(self._peak, runtime.process_id()))
 
+    def timed(self):
+        """(seconds, steps, samples, tokens) the rates are taken over: the
+        epoch so far after its first step, or the first step alone."""
+        if self._steps > 1:
+            first_end, first_samples, first_tokens = self._first
+            tokens = (
+                None
+                if self._tokens is None
+                else self._tokens - (first_tokens or 0)
+            )
+            return (
+                self._ended - first_end,
+                self._steps - 1,
+                self._samples - first_samples,
+                tokens,
+            )
+        return self._ended - self._started, 1, self._samples, self._tokens
+
     def figures(self, peak_bytes, peak_rank):
-        """The figures of the epoch so far: samples/s, tokens/s (where
-        counted), step_ms, peak_mem_MiB (of `peak_rank`), MFU (where
-        known)."""
-        seconds = max(self._ended - self._started, 1e-9)
-        result = {"samples/s": self._samples / seconds}
-        if self._tokens is not None:
-            result["tokens/s"] = self._tokens / seconds
-        result["step_ms"] = 1000 * seconds / max(self._steps, 1)
-        result["peak_mem_MiB"] = peak_bytes / 2**20
-        result["peak_mem_rank"] = peak_rank
+        """The figures of the epoch so far (`Figure`s): samples/s, tokens/s
+        (where counted), step_ms, peak_mem_MiB (of `peak_rank`, named on
+        several processes), MFU (where known)."""
+        seconds, steps, samples, tokens = self.timed()
+        seconds = max(seconds, 1e-9)
+        result = {"samples/s": Figure(samples / seconds)}
+        if tokens is not None:
+            result["tokens/s"] = Figure(tokens / seconds)
+        result["step_ms"] = Figure(1000 * seconds / steps)
+        result["peak_mem_MiB"] = Figure(peak_bytes / 2**20, whole=True)
+        if runtime.is_multi_process():
+            result["peak_mem_rank"] = Figure(peak_rank, whole=True)
         mfu = self.mfu(result["samples/s"])
         if mfu is not None:
-            result["MFU"] = mfu
+            result["MFU"] = Figure(mfu)
         return result
 
     def mfu(self, samples_per_second):
@@ -194,14 +243,19 @@ class Throughput(keras.callbacks.Callback):
             )
         worst = max(range(len(peaks)), key=lambda r: (peaks[r], -r))
         figures = self.figures(peaks[worst], worst)
+        seconds, steps, samples, tokens = self.timed()
         self.epochs.append(
             dict(
                 figures,
                 epoch=epoch,
+                peak_mem_rank=worst,
                 seconds=self._ended - self._started,
                 steps=self._steps,
                 samples=self._samples,
                 tokens=self._tokens,
+                timed=dict(
+                    seconds=seconds, steps=steps, samples=samples, tokens=tokens
+                ),
                 peak_bytes=peaks,
                 mfu_known=self.mfu(figures["samples/s"]) is not None,
             )

@@ -1,6 +1,7 @@
 """What `ktd env` and `ktd report` do. The `ktd` command's parser is
 `keras_torch_distribution_cli` (a package of its own, so that `ktd --help`
-imports neither torch nor Keras); `main` is its."""
+and `ktd run` import neither torch nor Keras), which calls these: this
+module never imports it."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import os
 import platform
 import sys
 
-from keras_torch_distribution_cli import main
 
-
-def print_env() -> int:
+def print_env(shell_backend=None) -> int:
     """Print the versions, devices and settings, then what initialize()
-    would do here (`print_launch`); its exit status."""
+    would do here (`print_launch`); its exit status. `shell_backend`: the
+    KERAS_BACKEND the shell gave `ktd`, which runs Keras on torch itself."""
+    if shell_backend is None:
+        shell_backend = os.environ.get("KERAS_BACKEND")
     os.environ.setdefault("KERAS_BACKEND", "torch")
     import keras
     import torch
@@ -24,8 +26,10 @@ def print_env() -> int:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "keras": keras.__version__,
+        "keras_hub": _installed_version("keras-hub"),
         "keras_torch_distribution": keras_torch_distribution.__version__,
         "supported keras": keras_torch_distribution.SUPPORTED_KERAS_TEXT,
+        "KERAS_BACKEND": _backend_shown(shell_backend),
         "cuda available": torch.cuda.is_available(),
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version()))
@@ -40,17 +44,48 @@ def print_env() -> int:
         "LOCAL_RANK",
         "MASTER_ADDR",
         "MASTER_PORT",
-        "KERAS_BACKEND",
+        *_KERAS_DISTRIBUTION_VARIABLES,
         "GLOO_SOCKET_IFNAME",
         "NCCL_SOCKET_IFNAME",
         "OMP_NUM_THREADS",
     ):
         lines[key] = os.environ.get(key)
     lines.update(_host_lines())
+    width = max(map(len, lines)) + 1
     for key, value in lines.items():
-        print(f"{key:26} {value}")
+        print(f"{key:{width}} {value}")
     bad = print_settings()
     return print_launch() or bad
+
+
+# What keras.distribution.initialize() reads before any launcher's variables.
+_KERAS_DISTRIBUTION_VARIABLES = (
+    "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+    "KERAS_DISTRIBUTION_NUM_PROCESSES",
+    "KERAS_DISTRIBUTION_PROCESS_ID",
+)
+
+
+def _installed_version(distribution):
+    """An installed distribution's version, read without importing it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _backend_shown(shell_backend):
+    """The shell's KERAS_BACKEND, with a note where it is not torch."""
+    if not shell_backend:
+        return "unset (ktd and the package use torch)"
+    if shell_backend == "torch":
+        return "torch"
+    return (
+        f"{shell_backend} (note: ktd, and the ranks of `ktd run`, run Keras "
+        "on torch, the backend keras_torch_distribution distributes)"
+    )
 
 
 def setting_rows():
@@ -87,8 +122,11 @@ def setting_rows():
 
 
 def print_settings() -> int:
-    """Print every KTD_* setting, each bad one flagged with its fix; 1 when
-    one is bad."""
+    """Print every KTD_* setting, each bad one flagged with its fix, and
+    the KTD_* variables that are no setting but look like one; 1 when a
+    setting is bad."""
+    from keras_torch_distribution import _env
+
     print("\nsettings:")
     bad = 0
     for name, shown, error in setting_rows():
@@ -96,6 +134,12 @@ def print_settings() -> int:
         if error:
             print(f"  {'':24} ^ BAD: {error}")
             bad = 1
+    for name, meant in _env.misspelled():
+        print(f"  {name:24} {os.environ[name]}")
+        print(
+            f"  {'':24} ^ UNKNOWN: no such setting, ignored; did you mean "
+            f"{meant}?"
+        )
     return bad
 
 
@@ -145,7 +189,3 @@ def report(path) -> int:
         print(f"ktd report: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

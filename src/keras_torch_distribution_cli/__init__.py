@@ -1,11 +1,16 @@
 """The `ktd` command's parser: `ktd run`, `ktd env`, `ktd report`, `ktd plan`.
 
-A package of its own, beside `keras_torch_distribution`, so that `ktd
---help`, `ktd --version` and every usage error answer without importing
-torch, Keras or `keras_torch_distribution` (whose `__init__` imports both
-and installs the backend into Keras: 5 s and more). Each subcommand imports
-what it needs only once its arguments are parsed; its work is done in
-`keras_torch_distribution.cli` (env, report), `.launch` (run) and `.plan`.
+A package of its own, beside `keras_torch_distribution` and above it (that
+package never imports this one, but for `python -m keras_torch_distribution`),
+so that `ktd --help`, `ktd --version` and every usage error answer without
+importing torch, Keras or `keras_torch_distribution` (whose `__init__`
+imports both and installs the backend into Keras: 5 s and more). Each
+subcommand imports what it needs only once its arguments are parsed; its
+work is done in `keras_torch_distribution.cli` (env, report), `.launch`
+(run) and `.plan`. `ktd env`, `report` and `plan` run Keras on torch under
+any KERAS_BACKEND; `ktd run` never imports Keras: it loads the package's
+launch modules without the package's `__init__` (`_light`), and each rank
+it starts runs `_rank` first.
 
 Exit status: 0 on success and for `--help`, 2 for a usage error or an
 argument refused before anything starts, 130 on Ctrl-C, otherwise the
@@ -13,7 +18,10 @@ subcommand's.
 """
 
 import argparse
+import os
 import sys
+
+from keras_torch_distribution_cli import _light
 
 PROGRAM = "ktd"
 _RUN_EPILOG = (
@@ -136,8 +144,10 @@ def _asks_run_help(rest):
 
 
 def main(argv=None):
-    """The `ktd` command on `argv` (default: `sys.argv[1:]`); its exit
-    status."""
+    """The `ktd` command on `argv`; its exit status. Without `argv` (the
+    `ktd` program itself: `sys.argv[1:]`), `ktd run` ends the process as
+    soon as torchrun returns (`_end_now`)."""
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv:
@@ -152,19 +162,27 @@ def main(argv=None):
         if argv[0] == "run" and not _asks_run_help(argv[1:]):
             # torchrun's options pass through: argparse only answers --help
             # (a missing script is `run`'s own one-line error).
-            return _run(argv[1:])
+            code = _run(argv[1:])
+            return _end_now(code) if program else code
         try:
             parsed = parser.parse_args(argv)
         except SystemExit as stop:  # --help, --version, usage errors
             return stop.code if isinstance(stop.code, int) else 2
+        shell_backend = _keras_on_torch()
         if parsed.command == "env":
             from keras_torch_distribution import cli
 
-            return cli.print_env()
+            return cli.print_env(shell_backend)
         if parsed.command == "report":
             from keras_torch_distribution import cli
 
             return cli.report(parsed.checkpoint)
+        if shell_backend not in (None, "torch"):
+            with _light.package_without_keras():
+                from keras_torch_distribution.launch import _torchrun
+
+                note = _torchrun.backend_note(shell_backend, "the script")
+            print(note, file=sys.stderr)
         from keras_torch_distribution.plan import _command as plan_command
 
         return plan_command.plan_and_print(
@@ -179,6 +197,15 @@ def main(argv=None):
         return 130
 
 
+def _keras_on_torch():
+    """KERAS_BACKEND=torch in this process, before anything imports Keras
+    (`ktd env`, `report` and `plan` import the package, which runs Keras on
+    torch only); the shell's KERAS_BACKEND, or None."""
+    said = os.environ.get("KERAS_BACKEND", "").strip() or None
+    os.environ["KERAS_BACKEND"] = "torch"
+    return said
+
+
 def _run(rest):
     if not rest:  # said before torch is imported
         print(
@@ -187,11 +214,36 @@ def _run(rest):
             file=sys.stderr,
         )
         return 2
-    from keras_torch_distribution.launch import _torchrun
+    return _launch(rest)
 
-    try:
-        _torchrun.run(rest)
-    except (_torchrun.Signalled, _torchrun.Refused) as stopped:
-        print(stopped.message, file=sys.stderr)
-        return stopped.code
+
+def _launch(rest):
+    """`_torchrun.run(rest)`, its modules loaded without the package's
+    front (which imports Keras): `ktd run` checks and starts torchrun; the
+    ranks import Keras. Its exit status."""
+    with _light.package_without_keras():
+        from keras_torch_distribution.launch import _torchrun
+
+        try:
+            _torchrun.run(rest)
+        except (
+            _torchrun.Failed,
+            _torchrun.Signalled,
+            _torchrun.Refused,
+        ) as stopped:
+            print(stopped.message, file=sys.stderr)
+            return stopped.code
     return 0
+
+
+def _end_now(code):
+    """End the `ktd run` process with `code`, its output flushed, without
+    the interpreter's teardown: once torchrun has returned there is nothing
+    left to do, and tearing down torch's modules and the agent's store
+    takes 0.5 to 2 s, after the ranks are gone (Ctrl-C included)."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

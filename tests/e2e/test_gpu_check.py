@@ -164,3 +164,56 @@ def test_without_cuda_the_cpu_sections_run_and_the_rest_are_skipped(tmp_path):
         0 < world["runs"][0]["params_bytes"] < world["runs"][0]["model_bytes"]
     )
     assert "skipped: no CUDA device" in proc.stdout
+
+
+def test_on_a_small_cpu_machine_the_check_is_sized_for_it():
+    """Issue 48: `tools/gpu-check` without CUDA ran every CPU section at
+    full size (15 min) with 4 sections at a time on 2 cores."""
+    assert gpu_check.default_jobs(2) == 1
+    assert gpu_check.default_jobs(1) == 1
+    assert gpu_check.default_jobs(16) == 4
+    assert gpu_check.chosen_sections(None, False, cuda=False) == (
+        gpu_check.QUICK,
+        True,
+    )
+    assert gpu_check.chosen_sections(None, False, cuda=True) == (
+        list(gpu_check.SECTIONS),
+        False,
+    )
+    assert gpu_check.chosen_sections("world2,fit_mlp", False, cuda=False) == (
+        ["world2", "fit_mlp"],
+        False,
+    )
+
+
+def test_a_timed_out_section_says_so_and_no_peak_is_shown_as_nan():
+    timed_out = gpu_check.run_child("environment", timeout=0.001)
+    assert timed_out["status"] == "failed"
+    assert timed_out["output"].startswith(
+        "timed out after 0.001 s (this section's limit); its last output:"
+    ), timed_out
+    world = {
+        "status": "ok",
+        "seconds": 1.0,
+        "runs": [
+            {
+                "name": "fsdp(2, 1)/prefetch=0",
+                "peak_mib": None,
+                "expected_mib": 1.5,
+            }
+        ],
+    }
+    summary = "\n".join(
+        gpu_check.summarize(
+            {
+                "device": "cpu",
+                "skipped": {},
+                "sections": {"world2": world, "checkpoint": timed_out},
+            }
+        )
+    )
+    assert "nan" not in summary
+    assert (
+        "expected      1.5 MiB (the peak is measured on CUDA only)" in summary
+    )
+    assert "timed out after 0.001 s" in summary

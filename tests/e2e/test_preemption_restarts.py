@@ -137,16 +137,16 @@ def test_kill_term_from_outside_then_launched_again(reference, tmp_path):
     code, output = _finish(process)
     seconds = time.monotonic() - signalled
     assert code != 0, output[-4000:]
-    # Both ranks stop at the same step, naming the signal and rank 1.
+    # Both ranks stop at the same step; rank 0 says so for the job, naming
+    # the signal and rank 1.
     lines = [
         line
         for line in output.splitlines()
         if "preempted by SIGTERM (received by rank(s) [1])" in line
     ]
-    assert len(lines) == 2 and {line[:12] for line in lines} == {
-        "[ktd rank 0]",
-        "[ktd rank 1]",
-    }, output[-4000:]
+    assert len(lines) == 1 and lines[0].startswith("[ktd rank 0]"), output[
+        -4000:
+    ]
     assert "Exiting with 143" in lines[0]
     assert sorted(os.listdir(tmp_path / "backup")) == ["latest.ckpt"]
     print(f"signal to launcher exit: {seconds:.1f} s")

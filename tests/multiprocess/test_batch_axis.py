@@ -432,14 +432,15 @@ def _disagreeing_fit(what):
 def test_ranks_that_disagree_are_named_on_every_rank(pool2):
     for message in pool2.run(_disagreeing_fit, "rows"):
         assert (
-            "fit() differs between ranks in rows of x: ranks [0]: 64; ranks "
-            "[1]: 58"
+            "model.fit() differs between ranks in rows of x: ranks [0]: 64; "
+            "ranks [1]: 58"
         ) in message
     for message in pool2.run(_disagreeing_fit, "model"):
         assert (
             (
-                "Ranks are running different programs: ranks [0]: fit(); ranks "
-                "[1]: the build of 1 variable ('sequential"
+                "Ranks are running different programs: ranks [0] called "
+                "model.fit(); ranks [1] were in the build of 1 variable "
+                "('sequential"
             )
             in message
             and "/down/kernel')" in message  # its zero bias needs no broadcast

@@ -130,7 +130,7 @@ def test_malicious_metadata_runs_nothing_and_names_the_class(
     pool2, tmp_path, capsys
 ):
     from keras_torch_distribution import checkpoint
-    from keras_torch_distribution import cli
+    from keras_torch_distribution_cli import main as ktd_main
 
     flag = tmp_path / "ran"
     source = tmp_path / "source"
@@ -162,7 +162,7 @@ def test_malicious_metadata_runs_nothing_and_names_the_class(
             assert where == str(path / ".metadata")
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="posix.system"):
         checkpoint.load(checkpoint_model(), paths["load"])
-    assert cli.main(["report", str(paths["load"])]) == 2
+    assert ktd_main(["report", str(paths["load"])]) == 2
     report = capsys.readouterr().err
     assert "posix.system" in report and ".metadata" in report
     assert not flag.exists()  # the command never ran
@@ -213,7 +213,7 @@ def load_errors(path):
 def test_flipped_or_truncated_shard_is_refused_naming_file_and_writer(
     pool2, tmp_path, capsys
 ):
-    from keras_torch_distribution import cli
+    from keras_torch_distribution_cli import main as ktd_main
 
     path = str(tmp_path / "ckpt")
     pool2.run(train_and_save, path)
@@ -232,13 +232,13 @@ def test_flipped_or_truncated_shard_is_refused_naming_file_and_writer(
             assert kind == "DamagedCheckpointError", (name, message)
             assert where == shard and rank == 1
             assert "written by rank 1" in message and says in message
-        assert cli.main(["report", path]) == 2
+        assert ktd_main(["report", path]) == 2
         report = capsys.readouterr()
         assert "damaged" in report.err and "__1_0.distcp" in report.err, report
         assert "written by rank 1" in report.err
     with open(shard, "wb") as f:
         f.write(original)
-    assert cli.main(["report", path]) == 0
+    assert ktd_main(["report", path]) == 0
     assert (
         "intact: every file has the size and CRC-32" in capsys.readouterr().out
     )

@@ -384,6 +384,6 @@ def test_a_signal_during_evaluate_stops_every_rank_after_one_batch(pool2):
         assert seen == [0, 1]  # both ranks stop after the same batch
         assert (
             "preempted by SIGTERM (received by rank(s) [1]) at evaluate(), "
-            "after batch 1" in message
+            "after batch 2" in message
         )
         assert handler is signal.SIG_DFL

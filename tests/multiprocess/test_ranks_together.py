@@ -112,7 +112,8 @@ def test_stop_training_on_one_rank_stops_every_rank(pool2):
                 for m in messages
                 if "stop_training was set on rank(s) [1] only" in m
             ]
-            assert said and "epoch 0, after batch 1" in said[0], (
+            # Keras counts epochs and batches from 1 (its "Epoch 1/2").
+            assert said and "Epoch 1/3, after batch 2" in said[0], (
                 kind,
                 rank,
                 messages,

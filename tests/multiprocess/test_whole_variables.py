@@ -115,8 +115,8 @@ def test_map_that_leaves_reverse_embeddings_whole_warns_once(pool2, tmp_path):
     assert (
         "WHOLE: model/token_embedding/reverse_embeddings was whole on every "
         f"rank ({100 * REVERSE_BYTES / MODEL_BYTES:.1f}% of the model's "
-        "bytes); a LayoutMap key would shard it, e.g. "
-        "layout_map['token_embedding/reverse_embeddings'] = (None, 'batch')"
+        "bytes); layout_map['token_embedding/reverse_embeddings'] = "
+        "(None, 'batch') would shard it"
     ) in text, text
 
 

@@ -7,6 +7,8 @@
 - load: `checkpoint.load` of a path that does not exist;
 - gpu: a `gpu:N` mesh on a machine without CUDA;
 - sleep: both ranks print "ready", then sleep (stopped by Ctrl-C);
+- save: after fit, `model.save` on rank 0 only (the DDP habit); save-fit:
+  the same, then a fit on every rank;
 - speak: a Python warning, another library's log line, the package's
   log lines before and after `logging.basicConfig`, `rank_zero_print`, a
   `fit` on a torch DataLoader (Keras warns that shuffle=True is ignored,
@@ -69,3 +71,8 @@ if MODE == "speak":
     print("done", os.environ["RANK"], flush=True)
     sys.exit(0)
 model.fit(x, x[:, :2], batch_size=127 if MODE == "batch" else 2, verbose=0)
+if MODE in ("save", "save-fit"):
+    if int(os.environ["RANK"]) == 0:
+        model.save(os.path.join(os.getcwd(), "model.keras"))
+    if MODE == "save-fit":
+        model.fit(x, x[:, :2], batch_size=2, verbose=0)

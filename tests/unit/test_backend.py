@@ -511,9 +511,7 @@ def test_device_mesh():
     assert mesh.devices.tolist() == ["cpu:0"]
     mesh2 = keras.distribution.DeviceMesh((1, 1), ["batch", "model"])
     assert mesh2.devices.shape == (1, 1)
-    with pytest.raises(
-        ValueError, match="Shape does not match the number of devices"
-    ):
+    with pytest.raises(ValueError, match="needs 2 devices, but was given 1"):
         keras.distribution.DeviceMesh((2,), ["batch"], devices)
 
 

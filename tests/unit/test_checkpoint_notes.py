@@ -81,3 +81,54 @@ def test_the_shard_report_groups_equal_ranks_and_cuts_nothing():
     assert line.split()[-6:] == ["(1,", "8,", "8)", "(2,", "8,", "8)"]
     assert len(header) < 200
     assert params == "param bytes: ranks 0-4,6-63: 256 B each; rank 5: 512 B"
+
+
+def test_ktd_report_advises_what_fit_advises_on_the_mesh_saved_with_it():
+    """A variable left whole gets one advice, the same from fit, `ktd plan`
+    and `ktd report` (issue 48): the checkpoint keeps the mesh it was
+    written under, so the report names that mesh's axes ('model' on a
+    ('data', 'model') mesh), not a guessed 'batch'."""
+    from keras_torch_distribution._variables import left_whole
+    from keras_torch_distribution.checkpoint import _dcp
+    from keras_torch_distribution.checkpoint import inspect
+
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((1, 1), ["data", "model"], devices)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="data"
+        )
+    )
+    try:
+        marker = _dcp._marker({}, False, None)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert marker["mesh"] == {
+        "shape": [1, 1],
+        "axis_names": ["data", "model"],
+        "batch_axis": "data",
+    }
+    # The same, written by 2 processes on a (1, 2) mesh.
+    marker = dict(marker, num_processes=2)
+    marker["mesh"] = dict(marker["mesh"], shape=[1, 2])
+    rows = [
+        {
+            "key": "model/dense/kernel",
+            "shape": (8, 64),
+            "dtype": "float32",
+            "blocks": [{"shape": (8, 64)}],
+        },
+        {
+            "key": "model/dense/bias",
+            "shape": (64,),
+            "dtype": "float32",
+            "blocks": [{"shape": (32,)}, {"shape": (32,)}],
+        },
+    ]
+    inspect._mark_whole(rows, marker)
+    axes = left_whole.suggested_axes((8, 64), {"data": 1, "model": 2}, "data")
+    assert axes == (None, "model")
+    assert rows[0]["whole"]["axes"] == axes
+    assert left_whole.advice(rows[0]["whole"]["key"], axes) == (
+        "layout_map['dense/kernel'] = (None, 'model')"
+    )

@@ -158,3 +158,15 @@ def test_the_readme_is_short_and_names_ktd_plan():
     text = "\n".join(lines)
     assert "ktd plan" in text, "README.md must show `ktd plan`"
     assert "docs/plan.md" in text, "README.md must link docs/plan.md"
+
+
+def test_the_readme_says_what_the_tests_cost_and_what_torchrun_needs():
+    """Issue 48: the test command's cost, and that a plain torchrun runs
+    only scripts that set the backend and import the package (`ktd run`
+    runs unchanged ones)."""
+    text = " ".join(open(README, encoding="utf-8").read().split())
+    assert "about half an hour on 2 CPU cores" in text
+    assert (
+        "`torchrun --nproc-per-node 2 train.py` runs scripts that, as this "
+        "one, set KERAS_BACKEND=torch and import the package." in text
+    )

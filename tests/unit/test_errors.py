@@ -55,12 +55,19 @@ def _dense_model(units=4):
 
 
 def test_mesh_shape_must_match_its_devices(one_process):
+    """A mesh hard-coded for more devices than the job has (keras.io's
+    (2, 4) under `ktd run -n 2`) says what it needs and the two fixes, not
+    Keras' bare "Shape does not match" (issue 48)."""
     with pytest.raises(
         ValueError,
-        match=r"Shape does not match the number of devices. "
-        r"Received: shape=\(2,\); devices.shape=\(1,\)",
+        match=r"^DeviceMesh\(shape=\(2, 4\), axis_names=\['batch', 'model'\]\) "
+        r"needs 8 devices, but was given 1 \(one device per process: this "
+        r"job's keras.distribution.list_devices\(\) has 1 device\(s\)\). "
+        r"Either run 8 processes \(`ktd run -n 8 ...`, or as many across "
+        r"nodes\), or give the mesh a shape whose product is 1, e.g. "
+        r"\(1, 1\), from list_devices\(\).$",
     ):
-        keras.distribution.DeviceMesh((2,), ["model"], one_process)
+        keras.distribution.DeviceMesh((2, 4), ["batch", "model"], one_process)
 
 
 def test_unknown_axis_name_in_layout_map(one_process):

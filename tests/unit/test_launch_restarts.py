@@ -20,7 +20,7 @@ from keras_torch_distribution._processes import spawn
 from keras_torch_distribution._processes.failures import failure_summary
 from keras_torch_distribution.launch import _torchrun
 
-_LAUNCH = ["-m", "keras_torch_distribution.launch"]
+_LAUNCH = ["-m", "keras_torch_distribution_cli._rank"]
 _SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 _TEN_SECONDS = datetime.timedelta(seconds=10)
 
@@ -208,9 +208,9 @@ def test_a_signal_to_ktd_run_ends_it_with_128_plus_the_signal(
     with pytest.raises(SystemExit) as exited:
         _torchrun.run(["-n", "2", __file__])
     assert exited.value.code == 138
-    from keras_torch_distribution import cli
+    from keras_torch_distribution_cli import main
 
-    assert cli.main(["run", "-n", "2", __file__]) == 138
+    assert main(["run", "-n", "2", __file__]) == 138
     assert capsys.readouterr().err == (
         "ktd run: got SIGUSR1; torchrun passed it on to the ranks and stopped "
         "them. Exiting with 138, as a process ended by SIGUSR1.\n"

@@ -23,7 +23,7 @@ from keras_torch_distribution.launch import _torchrun
 # Arguments handed to torchrun
 # --------------------------------------------------------------------------
 
-_LAUNCH = ["-m", "keras_torch_distribution.launch"]
+_LAUNCH = ["-m", "keras_torch_distribution_cli._rank"]
 # torchrun's default signals and SIGUSR1, which `ktd run` adds
 # (unit/test_launch_restarts.py).
 _SIGNALS = ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
@@ -136,6 +136,9 @@ def test_torchrun_arguments_errors(argv, message):
         _torchrun.torchrun_arguments(argv)
 
 
+_SCRIPT = __file__  # a script that exists (`run` refuses a missing one)
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     """`_torchrun.run` must refuse before torchrun starts anything."""
@@ -164,10 +167,7 @@ def test_bad_timeout_setting_is_refused_before_ranks_start(
             r"in \(0, 604800\]"
         ),
     ):
-        _torchrun.run(["-n", "2", "train.py"])
-
-
-_SCRIPT = __file__  # a script that exists (`run` refuses a missing one)
+        _torchrun.run(["-n", "2", _SCRIPT])
 
 
 class _HeldPort:
@@ -414,7 +414,8 @@ def test_an_exception_without_its_exit_code_says_the_code_is_unknown(
     rank torchrun stopped after it raised: the code is unknown, and said
     so, with the signal that stopped it."""
     stopped = _failure(tmp_path, 1, -signal.SIGTERM, 100, "RuntimeError: x")
-    assert failure_summary({1: stopped}) == (
+    other = _failure(tmp_path, 0, -signal.SIGTERM, 101)
+    assert failure_summary({1: stopped, 0: other}) == (
         "ktd run: rank 1 (local rank 1) failed first, exit code unknown "
         "(torchrun stopped it by SIGTERM after it raised): RuntimeError: x. "
         "torchrun stopped the other processes; that rank's traceback is above."
@@ -557,3 +558,96 @@ def test_a_cuda_request_without_cuda_is_refused(
     with pytest.raises(SystemExit, match="asks for CUDA, but CUDA is not") as e:
         _torchrun.run([*argv, _SCRIPT])
     assert e.value.code == 2
+
+
+# --------------------------------------------------------------------------
+# Issue 48, item 10: the same error everywhere, sys.exit(N), failure files
+# --------------------------------------------------------------------------
+
+
+def _exited_by(tmp_path, local_rank, code, exitcode_seen=None):
+    """torchrun's record of a rank that ended by `sys.exit(code)` in a
+    script (`launch._record.record_exit` wrote its file)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from keras_torch_distribution.launch._record import record_exit
+
+    error_file = str(tmp_path / f"error_{local_rank}.json")
+    script = tmp_path / "train.py"
+    script.write_text("import sys\n\nsys.exit(CODE)\n")
+    try:
+        exec(compile(script.read_text(), str(script), "exec"), {"CODE": code})
+    except SystemExit as stop:
+        record_exit(stop, environ={"TORCHELASTIC_ERROR_FILE": error_file})
+    return ProcessFailure(
+        local_rank=local_rank,
+        pid=1000 + local_rank,
+        exitcode=code if exitcode_seen is None else exitcode_seen,
+        error_file=error_file,
+    )
+
+
+def test_every_rank_that_raised_the_same_error_is_said_so(tmp_path):
+    """No "torchrun stopped the other processes" when every rank raised
+    the error itself."""
+    from keras_torch_distribution._processes.failures import failure_report
+
+    failures = {
+        0: _raised(tmp_path, 0, "same on every rank", 1),
+        1: _raised(tmp_path, 1, "same on every rank", 1),
+    }
+    report = failure_report(failures).splitlines()
+    assert report[-1] == (
+        "ktd run: rank 0 (local rank 0) failed first, exit code 1: "
+        "RuntimeError: same on every rank. Every other rank (rank 1) raised "
+        "the same error; the traceback above is rank 0's."
+    )
+    assert "rank 1: same error." in report
+    os.remove(re.findall(r"traceback is in (\S+) ", "\n".join(report))[0])
+
+
+def test_sys_exit_on_every_rank_is_named_with_its_code_and_line(tmp_path):
+    """`sys.exit(3)` on every rank: the code and the line, no "stopped by
+    the launcher" (torchrun's SIGTERM reached rank 1 while it exited), and
+    `ktd run` exits 3."""
+    from keras_torch_distribution._processes.failures import failure_report
+    from keras_torch_distribution._processes.failures import launcher_exit_code
+
+    failures = {
+        0: _exited_by(tmp_path, 0, 3),
+        1: _exited_by(tmp_path, 1, 3, exitcode_seen=-signal.SIGTERM),
+    }
+    where = f"{tmp_path / 'train.py'}:3"
+    assert failure_report(failures).splitlines() == [
+        "rank 1: same exit.",
+        f"ktd run: rank 0 (local rank 0) exited first with code 3 (sys.exit "
+        f"at {where}). Every other rank (rank 1) did the same.",
+    ]
+    assert launcher_exit_code(failures) == 3
+    alone = {0: failures[0]}
+    assert failure_summary(alone).endswith(f"(sys.exit at {where}).")
+    # A rank that raised: 1; killed by a signal: 1 (the signal is said).
+    assert launcher_exit_code({0: _raised(tmp_path, 0, "x", 1)}) == 1
+    assert launcher_exit_code({0: _failure(tmp_path, 0, -9, 100)}) == 1
+
+
+def test_failure_files_are_kept_for_the_newest_runs_only(tmp_path, monkeypatch):
+    """Every failed run writes its ranks' whole tracebacks to a file in the
+    temporary directory; only the newest KEPT_FAILURE_FILES stay."""
+    import tempfile
+
+    from keras_torch_distribution._processes import failures as report
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    other = tmp_path / "someone-elses.txt"
+    other.write_text("kept")
+    failed = {0: _raised(tmp_path, 0, "boom", 1)}
+    paths = []
+    for age in range(report.KEPT_FAILURE_FILES + 3):
+        paths.append(report._write_tracebacks(failed))
+        os.utime(paths[-1], (1000 + age, 1000 + age))
+    left = sorted(p.name for p in tmp_path.glob("ktd-failure-*.txt"))
+    assert left == sorted(
+        os.path.basename(p) for p in paths[-report.KEPT_FAILURE_FILES :]
+    )
+    assert other.read_text() == "kept"

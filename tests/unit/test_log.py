@@ -59,17 +59,25 @@ def test_other_ranks_are_quiet_unless_asked(root_handler, monkeypatch):
     assert [r.rank for r in root_handler.records] == [1]
 
 
-def test_the_rank_prefix_survives_another_librarys_basic_config():
+@pytest.mark.parametrize(
+    "form, said",
+    [
+        # basicConfig()'s (absl's and grain's, mostly): the package's own
+        # format, not a second prefix (issue 48).
+        (logging.BASIC_FORMAT, "[ktd rank 0] WARNING: said once"),
+        ("%(asctime)s %(message)s", "[ktd rank 0] <time> said once"),
+    ],
+)
+def test_the_rank_prefix_survives_another_librarys_basic_config(form, said):
     """An application's (or another library's) handler on the root logger
-    prints the package's records with `[ktd rank N]` in front; other
-    records as its own formatter says."""
+    prints the package's records with `[ktd rank N]` in front (in the
+    package's format under basicConfig's default one); other records as its
+    own formatter says."""
     import io
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(
-        logging.Formatter("%(levelname)s:%(name)s:%(message)s")
-    )
+    handler.setFormatter(logging.Formatter(form, datefmt="<time>"))
     root = logging.getLogger()
     root.addHandler(handler)
     try:
@@ -78,8 +86,16 @@ def test_the_rank_prefix_survives_another_librarys_basic_config():
     finally:
         root.removeHandler(handler)
     assert stream.getvalue().splitlines() == [
-        "[ktd rank 0] WARNING:keras_torch_distribution:said once",
-        "WARNING:another.library:its own",
+        said,
+        logging.Formatter(form, datefmt="<time>").format(
+            logging.makeLogRecord(
+                {
+                    "name": "another.library",
+                    "msg": "its own",
+                    "levelname": "WARNING",
+                }
+            )
+        ),
     ]
 
 
@@ -122,19 +138,46 @@ def test_other_libraries_logging_is_rank_0s(monkeypatch):
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level
+    torch_level = logging.getLogger("torch").level
     root.handlers.clear()
     root.setLevel(logging.WARNING)
     try:
         monkeypatch.setenv("RANK", "1")
         _log.quiet_other_ranks()
         assert root.level == logging.ERROR
+        # torch prints through a handler of its own ("CPU process group
+        # does not support alltoall yet" on every rank, issue 48).
+        assert logging.getLogger("torch").level == logging.ERROR
         root.setLevel(logging.WARNING)
+        logging.getLogger("torch").setLevel(logging.WARNING)
         monkeypatch.setenv("RANK", "0")
         _log.quiet_other_ranks()
         assert root.level == logging.WARNING
+        assert logging.getLogger("torch").level == logging.WARNING
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
+        logging.getLogger("torch").setLevel(torch_level)
+
+
+def test_dtensors_implicit_replication_warning_is_not_shown():
+    """A one-element plain tensor meeting a DTensor (a Dense(1)'s bias in
+    the README's quick start) is replicated on purpose: torch's warning
+    about it is filtered (here once more: pytest puts back the filters of
+    before each test's collection)."""
+    import warnings
+
+    from keras_torch_distribution import _log
+
+    with warnings.catch_warnings(record=True) as shown:
+        _log.hide_expected_warnings()
+        warnings.warn(
+            "Found a non-scalar tensor with numel=1 and ndim!=0, we are "
+            "implicitly creating a replicated DTensor for it. However, ...",
+            UserWarning,
+        )
+        warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in shown] == ["another warning"]
 
 
 def test_rank_zero_print(monkeypatch, capsys):

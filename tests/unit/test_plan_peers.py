@@ -8,9 +8,9 @@ import pytest
 import torch.distributed as dist
 
 from helpers import ROOT
-from keras_torch_distribution import cli
 from keras_torch_distribution.plan import _runner
 from keras_torch_distribution.plan import is_planning
+from keras_torch_distribution_cli import main as ktd_main
 
 PLAN_PEERS = os.path.join(ROOT, "tests", "scripts", "plan_peers.py")
 
@@ -47,7 +47,7 @@ def test_a_collective_of_the_script_is_refused_with_its_line(call, collective):
 
 
 def test_ktd_plan_exits_2_naming_the_collective(capsys):
-    assert cli.main(["plan", "--world", "2", PLAN_PEERS, "all_reduce"]) == 2
+    assert ktd_main(["plan", "--world", "2", PLAN_PEERS, "all_reduce"]) == 2
     assert "calls torch.distributed.all_reduce" in capsys.readouterr().err
 
 

@@ -16,6 +16,7 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from helpers import LAUNCHER_VARIABLES  # noqa: E402
+from keras_torch_distribution import _keras  # noqa: E402
 from keras_torch_distribution._processes import rendezvous  # noqa: E402
 from keras_torch_distribution._processes import runtime  # noqa: E402
 
@@ -205,9 +206,7 @@ def test_a_cpu_start_touches_no_gpu(torch_start, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(runtime.torch.cuda, "set_device", calls.set_device)
-    monkeypatch.setattr(
-        runtime._keras.torch_core_module, "DEFAULT_DEVICE", "cuda"
-    )
+    monkeypatch.setattr(_keras.torch_core_module, "DEFAULT_DEVICE", "cuda")
     monkeypatch.setattr(runtime.dist, "get_rank", lambda: 1)
     monkeypatch.setattr(runtime.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(seeds, "initialize_rng", calls.initialize_rng)
@@ -238,9 +237,7 @@ def cuda_machine(monkeypatch):
     """CUDA "available", and Keras' torch device "cuda" as Keras picks it
     there (restored after the test)."""
     monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(
-        runtime._keras.torch_core_module, "DEFAULT_DEVICE", "cuda"
-    )
+    monkeypatch.setattr(_keras.torch_core_module, "DEFAULT_DEVICE", "cuda")
     monkeypatch.delenv("KERAS_TORCH_DEVICE", raising=False)
 
 
@@ -253,12 +250,12 @@ def test_ktd_device_cpu_makes_keras_compute_on_the_cpu(
 
     monkeypatch.setenv("KTD_DEVICE", "cpu")
     assert runtime._backend() == "gloo"
-    assert str(runtime._keras.torch_device()) == "cpu"
+    assert str(_keras.torch_device()) == "cpu"
     keras.backend.clear_session()
     assert keras.ops.zeros((2,)).device.type == "cpu"
     seen = []
     thread = threading.Thread(
-        target=lambda: seen.append(str(runtime._keras.torch_device()))
+        target=lambda: seen.append(str(_keras.torch_device()))
     )
     thread.start()
     thread.join()
@@ -283,7 +280,7 @@ def test_ktd_device_cpu_refuses_another_keras_torch_device(
 def test_without_ktd_device_keras_stays_on_cuda(cuda_machine, monkeypatch):
     monkeypatch.delenv("KTD_DEVICE", raising=False)
     assert runtime.uses_cuda()
-    assert runtime._keras.default_torch_device() == "cuda"
+    assert _keras.default_torch_device() == "cuda"
 
 
 def test_cpu_devices_on_a_cuda_run_are_refused(cuda_machine, monkeypatch):

@@ -4,6 +4,7 @@ callback around it encloses; the progress line shows them; MFU where the
 FLOPs are known (the 2-process global counts and worst rank are in
 tests/multiprocess/test_throughput_ranks.py)."""
 
+import re
 import resource
 import time
 
@@ -67,11 +68,19 @@ def test_figures_against_a_count_by_hand(capsys):
         assert epoch["steps"] == 6  # ceil(44 / 8)
         assert epoch["samples"] == ROWS
         assert epoch["tokens"] == ROWS * SEQ
-        seconds = epoch["seconds"]
-        assert 0 < seconds <= outer
-        assert epoch["samples/s"] == pytest.approx(ROWS / seconds)
-        assert epoch["tokens/s"] == pytest.approx(ROWS * SEQ / seconds)
-        assert epoch["step_ms"] == pytest.approx(1000 * seconds / 6)
+        assert 0 < epoch["seconds"] <= outer
+        # As Keras' ms/step: the rates leave out the epoch's first step
+        # (8 rows), which compiles and warms up (issue 48).
+        timed = epoch["timed"]
+        assert (timed["steps"], timed["samples"]) == (5, ROWS - BATCH)
+        assert timed["tokens"] == (ROWS - BATCH) * SEQ
+        seconds = timed["seconds"]
+        assert 0 < seconds < epoch["seconds"]
+        assert epoch["samples/s"] == pytest.approx((ROWS - BATCH) / seconds)
+        assert epoch["tokens/s"] == pytest.approx(
+            (ROWS - BATCH) * SEQ / seconds
+        )
+        assert epoch["step_ms"] == pytest.approx(1000 * seconds / 5)
         # this process's peak resident set, read at the epoch's end
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         assert 0 < epoch["peak_bytes"][0] <= peak
@@ -84,6 +93,22 @@ def test_figures_against_a_count_by_hand(capsys):
     out = capsys.readouterr().out
     for name in ("samples/s:", "tokens/s:", "step_ms:", "peak_mem_MiB:"):
         assert out.count(name) == 2, out
+    # Each figure with the digits it needs; no rank in one process.
+    assert "peak_mem_rank" not in out
+    line = [row for row in out.splitlines() if "samples/s:" in row][-1]
+    assert re.search(r"peak_mem_MiB: \d+( |$)", line), line
+    assert not re.search(r"(samples/s|tokens/s|step_ms): \d+\.\d{4}", line)
+    assert len(line) < 140, line
+
+
+def test_a_figure_is_a_float_shown_with_the_digits_it_needs():
+    figure = callbacks.Figure(651.23)
+    assert figure == 651.23 and isinstance(figure, float)
+    assert f"{figure:.4f}" == "651" and f"{figure / 1:.4e}" == "651"
+    assert f"{callbacks.Figure(98.34):.4f}" == "98.3"
+    assert f"{callbacks.Figure(0.4123):.4f}" == "0.41"
+    assert f"{callbacks.Figure(0, whole=True):.4e}" == "0"
+    assert f"{callbacks.Figure(812.7, whole=True):.4f}" == "813"
 
 
 def test_float_inputs_have_no_tokens_and_mfu_where_flops_are_known():

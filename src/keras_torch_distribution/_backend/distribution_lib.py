@@ -7,8 +7,10 @@ front end bound at import) by `keras_torch_distribution.install()`; see
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -53,6 +55,64 @@ def initialize(
             reads it from the launcher's environment.
     """
     join.initialize(job_addresses, num_processes, process_id)
+
+
+class MeshSizeError(ValueError):
+    """A DeviceMesh shaped for another number of devices than it is given."""
+
+
+def check_device_mesh(original, mesh, shape, axis_names, devices=None):
+    """Keras `DeviceMesh.__init__`, where a shape whose product is not the
+    number of devices (a mesh hard-coded for 8 devices, as on keras.io,
+    under a job of 2 processes) is explained: the devices this job has, and
+    the two ways out."""
+    try:
+        return original(mesh, shape, axis_names, devices)
+    except ValueError as error:
+        given = _device_count(devices)
+        if "Shape does not match the number of devices" not in str(error):
+            raise
+        if given is None:
+            raise
+        needed = math.prod(int(n) for n in shape)
+        raise MeshSizeError(
+            f"DeviceMesh(shape={tuple(shape)}, axis_names={list(axis_names)}) "
+            f"needs {needed} devices, but was given {given} (one device per "
+            f"process: this job's keras.distribution.list_devices() has "
+            f"{_world_text()}). Either run {needed} processes (`ktd run -n "
+            f"{needed} ...`, or as many across nodes), or give the mesh a "
+            f"shape whose product is {given}, e.g. "
+            f"{_fitting_shape(shape, given)}, from list_devices()."
+        ) from None
+
+
+def _device_count(devices):
+    """How many devices a DeviceMesh was given (Keras' list_devices() for
+    None, as Keras does)."""
+    if devices is None:
+        return len(join.list_devices())
+    try:
+        return int(np.array(devices).size)
+    except (TypeError, ValueError):
+        return None
+
+
+def _world_text():
+    if runtime.is_initialized():
+        return f"{runtime.num_processes()} device(s)"
+    return "one device per process of the job"
+
+
+def _fitting_shape(shape, count):
+    """`shape` with its product made `count`, filled from its last axis (the
+    model axis, usually): (2, 4) for 2 devices -> (1, 2)."""
+    fitted = [1] * len(shape)
+    left = count
+    for axis in reversed(range(len(shape))):
+        take = math.gcd(left, int(shape[axis])) if axis else left
+        fitted[axis] = take
+        left //= take
+    return tuple(fitted)
 
 
 def check_distribution(

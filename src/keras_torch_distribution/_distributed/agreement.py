@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from keras_torch_distribution._distributed import replicas
 from keras_torch_distribution._log import warn_on_every_rank
+from keras_torch_distribution._processes import lost_hosts
 from keras_torch_distribution._processes import runtime
 
 
@@ -118,9 +119,63 @@ def _sides(values):
     )
 
 
+# What a rank that reached the end of its script is doing: it meets, in
+# `end_of_script`, a rank still in a collective call (a rank-0-only save).
+END_OF_SCRIPT = "the end of the script"
+
+
+def end_of_script():
+    """Agree that every rank reached the end of its script. A rank still in
+    a collective call the others skipped (`if rank == 0: model.save(...)`)
+    then raises RanksDisagreeError there, at the user's line, naming the
+    call and the fix, instead of waiting for peers that are gone; the ranks
+    that ended return False (they did nothing wrong: the error is said
+    once, by the others). The launcher's processes call it when their
+    script returns. Collective: call on every rank."""
+    if not (runtime.is_initialized() and runtime.is_multi_process()):
+        return True
+    try:
+        compare(END_OF_SCRIPT, [])
+    except RanksDisagreeError:
+        return False
+    except RuntimeError as error:  # (torch's DistBackendError among them)
+        if not lost_hosts.is_lost_peer(error):
+            raise
+        # A rank that ended without agreeing (os._exit, or a failure the
+        # launcher reports): nothing is left to agree with.
+    return True
+
+
+def _did(doing):
+    """What a rank was doing, as said in a sentence."""
+    if doing == END_OF_SCRIPT:
+        return f"reached {doing}"
+    if doing.endswith("()"):
+        return f"called {doing}"
+    return f"were in {doing}"
+
+
 def _different_programs(doings):
+    groups = {}
+    for rank, doing in enumerate(doings):
+        groups.setdefault(doing, []).append(rank)
+    said = "; ".join(
+        f"ranks {ranks} {_did(doing)}" for doing, ranks in groups.items()
+    )
+    calls = [doing for doing in groups if doing.endswith("()")]
+    if calls and all(
+        doing.endswith("()") or doing == END_OF_SCRIPT for doing in groups
+    ):
+        named = " and ".join(calls)
+        return (
+            f"Ranks are running different programs: {said}. {named} "
+            f"{'is' if len(calls) == 1 else 'are'} collective (every rank "
+            "takes part; for a file, rank 0 writes it): call "
+            f"{'it' if len(calls) == 1 else 'each'} on every rank, in the "
+            "same order, not under `if rank == 0`."
+        )
     return (
-        f"Ranks are running different programs: {_sides(doings)}. Under a "
+        f"Ranks are running different programs: {said}. Under a "
         "distribution, every rank must build the same models in the same order "
         "and call fit / evaluate / predict together (building a model on some "
         "ranks only makes a collective that the others never join). Make the "
@@ -186,10 +241,16 @@ class StopTogether(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        self._agree(f"epoch {self._epoch}, after batch {batch}")
+        self._agree(f"{self.epoch_text(self._epoch)}, after batch {batch + 1}")
 
     def on_epoch_end(self, epoch, logs=None):
-        self._agree(f"the end of epoch {epoch}")
+        self._agree(f"the end of {self.epoch_text(epoch)}")
+
+    def epoch_text(self, epoch):
+        """Epoch `epoch` (counted from 0) as Keras' progress bar shows it:
+        "Epoch 2/6"."""
+        epochs = (self.params or {}).get("epochs")
+        return f"Epoch {epoch + 1}" + (f"/{epochs}" if epochs else "")
 
     def _agree(self, where):
         codes = codes_of_ranks(

@@ -111,6 +111,12 @@ def layout_map_layout(distribution, path):
     return None if layout_map is None else layout_map[path]
 
 
+def layout_map_keys(distribution):
+    """The keys of a ModelParallel's LayoutMap (none for others)."""
+    layout_map = getattr(distribution, "_layout_map", None)
+    return list(layout_map.keys()) if layout_map is not None else []
+
+
 def raw_value(variable):
     """A variable's stored tensor (no autocast, no stateless scope); None
     before it is initialized."""

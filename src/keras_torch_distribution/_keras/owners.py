@@ -30,6 +30,7 @@ __all__ = [
     "torch_core_module",
     "torch_numpy_module",
     "Distribution",
+    "DeviceMesh",
     "torch_random_module",
     "BatchNormalization",
     "Dense",
@@ -58,6 +59,7 @@ torch_nn_module = torch_nn
 torch_core_module = torch_core
 torch_numpy_module = torch_numpy
 Distribution = keras_distribution_lib.Distribution
+DeviceMesh = keras_distribution_lib.DeviceMesh
 torch_random_module = torch_random
 BatchNormalization = batch_normalization.BatchNormalization
 Dense = keras.layers.Dense

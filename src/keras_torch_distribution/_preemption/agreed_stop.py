@@ -34,7 +34,7 @@ import keras
 
 from keras_torch_distribution._batch import position
 from keras_torch_distribution._distributed import agreement
-from keras_torch_distribution._log import warn_on_every_rank
+from keras_torch_distribution._log import logger
 from keras_torch_distribution._preemption import requeue
 from keras_torch_distribution._preemption import signals
 from keras_torch_distribution._processes import runtime
@@ -99,8 +99,8 @@ class PreemptTogether(agreement.StopTogether):
         saved = _describe_backups(self.backups, written, seconds)
         _exit(
             received,
-            f"{where}: every rank stops at epoch {epoch}, after {batch} "
-            f"batch(es) of it (step {step}); {saved}",
+            f"{where}: every rank stops in {self.epoch_text(epoch)}, after "
+            f"{batch} batch(es) of it (step {step}); {saved}",
         )
 
     @staticmethod
@@ -128,7 +128,7 @@ class PreemptEvaluation(keras.callbacks.Callback):
             signals.boundary_reached()
             _exit(
                 received,
-                f"evaluate(), after batch {batch}: every rank stops there "
+                f"evaluate(), after batch {batch + 1}: every rank stops there "
                 "(evaluate saves nothing)",
             )
 
@@ -137,8 +137,8 @@ class PreemptEvaluation(keras.callbacks.Callback):
 
 
 def _exit(received, what):
-    """Requeue under SLURM, log one line on every rank, release the
-    handlers and raise Preempted. Collective."""
+    """Requeue under SLURM, log one line (rank 0's, for the job), release
+    the handlers and raise Preempted. Collective."""
     number = received[min(received)]
     name = signals.signal_name(number)
     waited = signals.seconds_since_signal()
@@ -152,7 +152,7 @@ def _exit(received, what):
         f"{what}. Exiting with {128 + number}"
         + (f", {waited:.1f} s after the signal." if waited else ".")
     )
-    warn_on_every_rank("%s", message)
+    logger.warning("%s", message)
     signals.release()
     raise signals.Preempted(number, message)
 

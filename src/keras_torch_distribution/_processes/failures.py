@@ -106,6 +106,12 @@ def failure_summary(failures, launcher="ktd run"):
     who = f"{launcher}: rank {rank} (local rank {failure.local_rank})"
     exception = _exception(failure)
     exitcode = exit_code(failure)
+    if _exited(failure):
+        said = _exit_words(failure)
+        ends = _others(failures, rank, "did the same")
+        return (
+            f"{who} exited first with code {exitcode} ({said}). {ends}".rstrip()
+        )
     preempted_by = preemption_signal(exitcode)
     if preempted_by is not None:
         return _preempted(who, exitcode, preempted_by, exception, launcher)
@@ -131,9 +137,61 @@ def failure_summary(failures, launcher="ktd run"):
     )
     return (
         f"{who} failed first, {_exit_code_words(failure, exitcode)}: "
-        f"{_cause(exception)}{lost_peer} torchrun stopped the other "
-        "processes; that rank's traceback is above."
+        f"{_cause(exception)}{lost_peer} "
+        + _others(failures, rank, "raised the same error", traceback=True)
     )
+
+
+def _others(failures, first_rank, same, traceback=False):
+    """The end of the summary: what the other ranks did (every other failed
+    rank as the first one did: `same`, not torchrun's stop; none failed:
+    nothing), and with `traceback`, whose traceback is above."""
+    others = [r for r in failures if r != first_rank]
+    if others and all(_same(failures[r], failures[first_rank]) for r in others):
+        said = f"Every other rank ({_rank_list(others)}) {same}"
+        return said + (
+            f"; the traceback above is rank {first_rank}'s."
+            if traceback
+            else "."
+        )
+    if not others:  # the other ranks had ended (or there are none)
+        return "Its traceback is above." if traceback else ""
+    return "torchrun stopped the other processes" + (
+        "; that rank's traceback is above." if traceback else "."
+    )
+
+
+def _rank_list(ranks):
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(
+        map(str, ranks)
+    )
+
+
+def _same(failure, first):
+    """Whether a rank failed as the first one did: the same exception, or
+    the same `sys.exit` code."""
+    exception = _exception(failure)
+    return exception is not None and exception == _exception(first)
+
+
+def _exited(failure):
+    """Whether the rank ended by `sys.exit` with a code that is not 0
+    (`launch._record.record_exit`)."""
+    return "ktd_exit_at" in _extra(failure)
+
+
+def _exit_words(failure):
+    where = _extra(failure).get("ktd_exit_at")
+    return f"sys.exit at {where}" if where else "sys.exit"
+
+
+def launcher_exit_code(failures):
+    """The exit status a launcher gives for these failed ranks: the code
+    the first one chose (sys.exit(3) gives 3), or 1 (a signal, or an
+    unknown code)."""
+    code = exit_code(first_failure(failures)[1])
+    return code if code > 0 else 1
 
 
 def exit_code(failure):
@@ -269,7 +327,10 @@ def _other(failure, first_rank, first):
             )
         return f"exit code {failure.exitcode}, no Python exception on record."
     if exception == _exception(first):
-        return "same error."
+        return "same exit." if _exited(failure) else "same error."
+    if _exited(failure):
+        code, said = exit_code(failure), _exit_words(failure)
+        return f"exited with code {code} ({said})."
     if _LOST_PEER.search(exception):
         return f"lost its connection to a failed rank: {_cause(exception)}"
     return _cause(exception)
@@ -287,11 +348,39 @@ def _write_tracebacks(failures):
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     handle, path = tempfile.mkstemp(
-        prefix=f"ktd-failure-{stamp}-", suffix=".txt", text=True
+        prefix=f"{_FAILURE_FILE_PREFIX}{stamp}-", suffix=".txt", text=True
     )
     with os.fdopen(handle, "w") as file:
         file.write("\n".join(parts))
+    _remove_old_failure_files(os.path.dirname(path))
     return path
+
+
+_FAILURE_FILE_PREFIX = "ktd-failure-"
+# Failure files kept in the temporary directory: the newest, this user's.
+KEPT_FAILURE_FILES = 10
+
+
+def _remove_old_failure_files(directory):
+    """Remove this user's failure files in `directory` but the newest
+    KEPT_FAILURE_FILES (a file another process removes meanwhile is no
+    error)."""
+    ours = []
+    for entry in os.scandir(directory):
+        if not (
+            entry.name.startswith(_FAILURE_FILE_PREFIX)
+            and entry.name.endswith(".txt")
+        ):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if entry.is_file(follow_symlinks=False) and info.st_uid == os.getuid():
+            ours.append((info.st_mtime, entry.path))
+    for _, old in sorted(ours, reverse=True)[KEPT_FAILURE_FILES:]:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(old)
 
 
 def _extra(failure):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from keras_torch_distribution import _keras
 from keras_torch_distribution._log import logger
 from keras_torch_distribution._log import quiet_other_ranks
+from keras_torch_distribution._log import warn_misspelled_settings
 from keras_torch_distribution._processes import environments
 from keras_torch_distribution._processes import lost_hosts
 from keras_torch_distribution._processes import rendezvous
@@ -107,6 +108,7 @@ def _start(
     if runtime.is_initialized():
         _check_matches_running(num_processes, process_id)
         return
+    warn_misspelled_settings()
     timeout = datetime.timedelta(seconds=runtime.timeout_seconds())
     launch = detect_launch(job_addresses, num_processes, process_id)
     if launch.start == environments.SPAWN:

@@ -52,6 +52,12 @@ class Table:
 table = Table()
 
 
+def is_lost_peer(error):
+    """Whether `error` is a collective's or the store's on a peer that went
+    away (a closed connection, a timed-out receive)."""
+    return bool(_LOST.search(str(error)))
+
+
 def explain(error):
     """One line naming the hosts and ranks `error` lost, or None when it is
     not a lost peer, or the job runs on one host (or no table is kept)."""

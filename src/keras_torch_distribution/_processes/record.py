@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 29500
 CLUSTER_VARIABLE = "KTD_CLUSTER"
 SPAWN_VARIABLE = "KTD_SPAWN"
+# The pid of the process running the elastic agent (`ktd run`, or the one
+# `initialize()` made the agent): each process it starts dies with it
+# (launch/__main__.py).
+PARENT_PID_VARIABLE = "KTD_PARENT_PID"
 # What a row makes of this process.
 JOIN = "join"  # it is one process of a job of `world` processes
 SPAWN = "spawn"  # it starts `nproc` processes on this node, then waits for them

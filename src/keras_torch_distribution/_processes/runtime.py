@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from keras_torch_distribution import _env
-from keras_torch_distribution import _keras
 from keras_torch_distribution._log import logger
 
 DEFAULT_TIMEOUT_SECONDS = _env.DEFAULT_TIMEOUT_SECONDS
@@ -72,6 +71,10 @@ def keep_keras_on_cpu() -> None:
     CUDA machine Keras otherwise puts every tensor on "cuda", which the
     gloo process group of a KTD_DEVICE=cpu run cannot carry. Refuses a
     KERAS_TORCH_DEVICE that asks for another device."""
+    # (Here, not at the top: `ktd run` reads this module's `cuda_found`
+    # without importing Keras.)
+    from keras_torch_distribution import _keras
+
     current = str(_keras.default_torch_device())
     if current == "cpu":
         return

@@ -35,7 +35,9 @@ import uuid
 import keras_torch_distribution._processes.environments as environments
 from keras_torch_distribution import _env
 from keras_torch_distribution._processes.failures import failure_report
+from keras_torch_distribution._processes.failures import launcher_exit_code
 from keras_torch_distribution._processes.failures import quiet_agent_logs
+from keras_torch_distribution._processes.record import PARENT_PID_VARIABLE
 
 # The directory Python started in: the script's relative paths (its own
 # path in sys.argv[0] included) mean this, even if it changed directory
@@ -45,9 +47,6 @@ _STARTUP_DIRECTORY = os.getcwd()
 # starts processes itself, whatever its environment says.
 LAUNCHED_VARIABLE = "KTD_LAUNCHED"
 LAUNCHER_NAME = "keras.distribution.initialize()"
-# The pid of the process running the elastic agent (this one, or `ktd run`):
-# each started process dies with it (see launch/__main__.py).
-PARENT_PID_VARIABLE = "KTD_PARENT_PID"
 _RUNNER = "keras_torch_distribution.launch"
 # The signals torch's elastic agent handles by default (torch 2.11 to 2.15,
 # torchrun's --signals-to-handle): it stops its processes with the signal
@@ -168,7 +167,8 @@ def start_processes(launch, timeout_seconds):
             elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as error:
         report = failure_report(error.failures, LAUNCHER_NAME, full)
-        raise SystemExit(f"{error}\n{report}" if full else report) from None
+        print(f"{error}\n{report}" if full else report, file=sys.stderr)
+        raise SystemExit(launcher_exit_code(error.failures)) from None
     except SignalException as error:  # Ctrl-C, a scheduler's SIGTERM: one line
         name = signal.Signals(error.sigval).name
         print(

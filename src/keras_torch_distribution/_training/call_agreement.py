@@ -147,6 +147,6 @@ def check(method, model, args, kwargs):
     x = args[0] if args else kwargs.get("x")
     data = None if distribution.auto_shard_dataset else input_digest(x)
     gathered = agreement.compare(
-        f"{method}()", describe(method, model, args, kwargs), data
+        f"model.{method}()", describe(method, model, args, kwargs), data
     )
     _warn_if_replicas_repeat(method, gathered)

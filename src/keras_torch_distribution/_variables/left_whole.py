@@ -16,6 +16,12 @@ batch axis on a tie), i.e. FSDP when that axis is the batch axis (stored
 `fit`, `evaluate` or `predict` first sees the model's variables (they are all
 built by then), once per variable and process; `_report.report` and
 `ktd report CHECKPOINT` mark such variables too.
+
+When the map shards none of them (`shards_nothing`: keys written for
+another model, or `up/kernel` where the path is `sequential/up/kernel`:
+keys must match a whole path), every variable is whole, and one warning
+names the keys that matched nothing, a few real paths and the `.*` prefix
+that matches any path's start.
 """
 
 import math
@@ -55,6 +61,12 @@ def suggested_axes(shape, mesh_axes, batch_axis):
     )
     dim = max(range(len(shape)), key=lambda d: (int(shape[d]), -d))
     return tuple(axis if d == dim else None for d in range(len(shape)))
+
+
+def advice(key, axes):
+    """The one line of advice fit, `ktd plan` and `ktd report` give for a
+    variable left whole: the LayoutMap entry that would shard it."""
+    return f"layout_map[{key!r}] = {tuple(axes)}"
 
 
 def layout_map_key(path):
@@ -115,11 +127,90 @@ def left_whole(model_variables, distribution):
     return found
 
 
+# Variable paths a warning names as examples.
+_SHOWN_PATHS = 3
+
+
+def _matches(key, path):
+    """Whether LayoutMap `key` gives `path` its layout (as Keras' LayoutMap
+    looks one up: the key itself, else the key as a regular expression
+    matching the whole path)."""
+    try:
+        return key == path or re.fullmatch(key, path) is not None
+    except re.error:
+        return False
+
+
+def shards_nothing(model_variables, distribution):
+    """For a ModelParallel whose LayoutMap shards none of
+    `model_variables` on a mesh that could shard them: (its keys that match
+    no variable's path, the largest variables' paths, a key suggested for
+    the first unmatched key or None); else None. No collective."""
+    keys = _keras.layout_map_keys(distribution)
+    if not keys or max(_mesh_axes(distribution).values(), default=1) <= 1:
+        return None
+    handled = [
+        v
+        for v in model_variables
+        if getattr(v, "_ktd_distributed", False) and len(v.shape)
+    ]
+    if not handled or any(
+        layouts.resolved_layout(v) is not None for v in handled
+    ):
+        return None
+    paths = [v.path for v in handled]
+    unmatched = [k for k in keys if not any(_matches(k, p) for p in paths)]
+    largest = sorted(handled, key=lambda v: -global_bytes(v.shape, v.dtype))[
+        :_SHOWN_PATHS
+    ]
+    suggested = next(
+        (
+            f".*{key}"
+            for key in unmatched
+            if any(_matches(f".*{key}", p) for p in paths)
+        ),
+        None,
+    )
+    return unmatched, [v.path for v in largest], suggested
+
+
+def _warn_if_shards_nothing(model_variables, distribution):
+    found = shards_nothing(model_variables, distribution)
+    if found is None:
+        return
+    unmatched, examples, suggested = found
+    keys = ", ".join(repr(k) for k in unmatched)
+    fix = (
+        f"layout_map[{suggested!r}] instead of layout_map[{unmatched[0]!r}]"
+        if suggested
+        else "keys that match these paths, e.g. layout_map['.*name/kernel']"
+    )
+    said = (
+        f"Its keys {keys} match no variable's path: a key must match the "
+        "whole path (re.fullmatch), and the paths here are like "
+        f"{', '.join(repr(p) for p in examples)}. A key that starts with "
+        f"'.*' matches any start of a path: write {fix}."
+        if unmatched
+        else "Every key matches a variable, but none of their layouts "
+        "shards it on an axis of more than one device."
+    )
+    warn_once(
+        ("shards-nothing", tuple(_keras.layout_map_keys(distribution))),
+        "The LayoutMap of this ModelParallel shards none of the model's "
+        "variables: every one is whole on every rank, with its gradient and "
+        "optimizer slots. %s",
+        said,
+    )
+
+
 def warn_if_left_whole(model_variables, distribution):
     """Warn once per variable about large variables the layout map leaves
-    whole on every rank (see the module docstring). No collective."""
+    whole on every rank, or once when it shards none (see the module
+    docstring). No collective."""
     if distribution is None:
         return
+    model_variables = list(model_variables)
+    _warn_if_shards_nothing(model_variables, distribution)
     for entry in left_whole(model_variables, distribution):
         variable = entry["variable"]
         warn_once(
@@ -128,13 +219,12 @@ def warn_if_left_whole(model_variables, distribution):
             "%.1f%% of the model's variables, with its gradient and optimizer "
             "slots, while the LayoutMap shards %d other variables. No "
             "LayoutMap key shards it. To store it 1/%d per rank, add "
-            "layout_map[%r] = %s before building the model.",
+            "%s before building the model.",
             variable.path,
             tuple(variable.shape),
             f"{entry['bytes']:,}",
             100 * entry["share"],
             entry["sharded_count"],
             entry["ways"],
-            entry["key"],
-            entry["axes"],
+            advice(entry["key"], entry["axes"]),
         )

@@ -28,6 +28,7 @@ import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._keys as _keys
 import keras_torch_distribution.checkpoint._location as _location
 import keras_torch_distribution.checkpoint._storage as _storage
+from keras_torch_distribution import _keras
 from keras_torch_distribution._distributed import agreement
 from keras_torch_distribution._log import human_bytes
 from keras_torch_distribution._log import logger
@@ -62,7 +63,22 @@ def _marker(variables, optimizer, extra):
         "num_processes": runtime.num_processes(),
         "optimizer": bool(optimizer),
         "variables": {k: list(v.shape) for k, v in variables.items()},
+        "mesh": _mesh_of(_keras.current_distribution()),
         "extra": extra,
+    }
+
+
+def _mesh_of(distribution):
+    """The distribution's mesh (shape, axis names, batch axis) for the
+    marker, so that `ktd report` advises on the axes fit does; None
+    without one."""
+    mesh = getattr(distribution, "device_mesh", None)
+    if mesh is None:
+        return None
+    return {
+        "shape": [int(n) for n in mesh.shape],
+        "axis_names": list(mesh.axis_names),
+        "batch_axis": getattr(distribution, "batch_dim_name", None),
     }
 
 
@@ -75,6 +91,13 @@ def _check_extra(extra):
             f"({error}). Pass plain dicts, lists, strings and numbers, e.g. "
             "extra={'epoch': 3, 'step': 120}."
         ) from error
+
+
+def _agree_on(call):
+    """Every rank is in `call`: a save on some ranks only raises on every
+    rank, naming what the others do (`agreement.compare`)."""
+    if runtime.is_multi_process():
+        agreement.compare(call, [])
 
 
 def _begin_save(model, path, optimizer, extra, group=None):
@@ -114,6 +137,7 @@ def save(
         The checkpoint's directory, as an absolute path.
     """
     started = time.perf_counter()
+    _agree_on("checkpoint.save()")
     path, variables, marker = _begin_save(model, path, optimizer, extra)
     writer = _Writer(path + _location.INCOMPLETE_SUFFIX)
     with (
@@ -178,6 +202,7 @@ def async_save(
         A `PendingCheckpoint`; its `result()` (on every rank) completes the
         checkpoint and returns its directory.
     """
+    _agree_on("checkpoint.async_save()")
     group = _async_process_group()
     path, variables, marker = _begin_save(model, path, optimizer, extra, group)
     writer = _Writer(path + _location.INCOMPLETE_SUFFIX)

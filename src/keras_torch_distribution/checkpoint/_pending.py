@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import keras_torch_distribution.checkpoint._files as _files
 from keras_torch_distribution._log import human_bytes
+from keras_torch_distribution._log import logger
 from keras_torch_distribution._log import note
 from keras_torch_distribution.checkpoint._errors import CheckpointError
 from keras_torch_distribution.checkpoint._streams import _translated
@@ -36,13 +37,35 @@ def _discarded_on_failure(path, group=None):
 
 
 def note_saved(path, size, started):
-    """The line a save prints at the default level: path, size, seconds."""
-    note(
+    """The line a save prints at the default level: path, size, seconds
+    (at INFO for a routine backup, `routine_saves`)."""
+    say = logger.info if _routine.depth else note
+    say(
         "checkpoint saved: %s (%s, %.2f s)",
         path,
         human_bytes(size),
         time.perf_counter() - started,
     )
+
+
+class _Routine(threading.local):
+    depth = 0
+
+
+_routine = _Routine()
+
+
+@contextlib.contextmanager
+def routine_saves():
+    """Saves in this block are BackupAndRestore's routine backups (every
+    epoch, or every N batches): said at INFO, not at the default level, as
+    Keras' own BackupAndRestore says nothing (a line per epoch was noise,
+    and landed inside the progress bar's line)."""
+    _routine.depth += 1
+    try:
+        yield
+    finally:
+        _routine.depth -= 1
 
 
 _unfinished = []  # PendingCheckpoints whose result() was not called yet

@@ -13,6 +13,7 @@ import keras
 import keras_torch_distribution.checkpoint._dcp as _dcp
 import keras_torch_distribution.checkpoint._files as _files
 import keras_torch_distribution.checkpoint._location as _location
+import keras_torch_distribution.checkpoint._pending as _pending
 import keras_torch_distribution.checkpoint._storage as _storage
 from keras_torch_distribution import _keras
 from keras_torch_distribution._batch import position
@@ -256,10 +257,12 @@ PREVIOUS_BACKUP_NAME = "previous.ckpt"
 
 
 def backup_save(original, callback):
-    """Keras `BackupAndRestore._save_model`. Collective: call on every rank."""
+    """Keras `BackupAndRestore._save_model` (a routine backup: said at INFO,
+    `_pending.routine_saves`). Collective: call on every rank."""
     if not runtime.is_multi_process():
         return original(callback)
-    write_backup(callback)
+    with _pending.routine_saves():
+        write_backup(callback)
     return None
 
 

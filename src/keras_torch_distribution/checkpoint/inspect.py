@@ -121,15 +121,30 @@ def checkpoint_table(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 "verified": verified,
             }
         )
-    _mark_whole(rows, marker.get("num_processes", 1))
+    _mark_whole(rows, marker)
     rows = CheckpointRows(rows)
     rows.directory, rows.marker, rows.newest_of = directory, marker, newest_of
     return rows
 
 
-def _mark_whole(rows: list[dict[str, Any]], num_processes: int) -> None:
+def _mesh_axes(marker: dict[str, Any]) -> tuple[dict[str, int], str | None]:
+    """({axis name: size}, batch axis) of the mesh the checkpoint was
+    written under (its marker's `mesh`), or, for a checkpoint without one,
+    every process on one axis named "batch"."""
+    mesh = marker.get("mesh")
+    if isinstance(mesh, dict) and mesh.get("axis_names"):
+        sizes = dict(zip(mesh["axis_names"], mesh["shape"], strict=True))
+        return sizes, mesh.get("batch_axis")
+    return {"batch": marker.get("num_processes", 1)}, "batch"
+
+
+def _mark_whole(rows: list[dict[str, Any]], marker: dict[str, Any]) -> None:
     """Set row["whole"] for large model variables written as one block by
-    a checkpoint of several processes (held whole on every rank)."""
+    a checkpoint of several processes (held whole on every rank), with the
+    axes fit's warning names for them (on the mesh the checkpoint was
+    written under)."""
+    num_processes = marker.get("num_processes", 1)
+    mesh_axes, batch_axis = _mesh_axes(marker)
     model_rows = [r for r in rows if r["key"].startswith(MODEL_PREFIX)]
     sizes = {
         r["key"]: left_whole.global_bytes(
@@ -143,9 +158,7 @@ def _mark_whole(rows: list[dict[str, Any]], num_processes: int) -> None:
         one_block = len(blocks) == 1 and tuple(blocks[0]["shape"]) == tuple(
             row["shape"]
         )
-        axes = left_whole.suggested_axes(
-            row["shape"], {"batch": num_processes}, "batch"
-        )
+        axes = left_whole.suggested_axes(row["shape"], mesh_axes, batch_axis)
         if (
             num_processes > 1
             and one_block
@@ -210,10 +223,9 @@ def format_checkpoint_table(rows: list[dict[str, Any]]) -> str:
         if whole:
             lines.append(
                 f"WHOLE: {row['key']} was whole on every rank "
-                f"({100 * whole['share']:.1f}% of the model's bytes); a "
-                "LayoutMap key would shard it, e.g. "
-                f"layout_map[{whole['key']!r}] = "
-                f"{whole['axes']} (the batch axis named as in your mesh)"
+                f"({100 * whole['share']:.1f}% of the model's bytes); "
+                f"{left_whole.advice(whole['key'], whole['axes'])} would "
+                "shard it"
             )
     if rows and all(row.get("verified") for row in rows):
         lines.append(

@@ -12,6 +12,9 @@ with two more fields the launcher prints from (`_processes.failures`):
   was still exiting (its atexit hooks, the process group's teardown) shows
   torchrun's SIGTERM instead: the launcher says the code the rank chose.
 
+A rank that ends by `sys.exit(N)` (N not 0) records the code and the line
+that exited (`record_exit`: `ktd_exitcode`, `ktd_exit_at`), no traceback.
+
 The rank then exits 1 without printing its traceback: the launcher prints
 the first failure once. It prints it itself where nobody else will: with
 no error file (a bare `python -m keras_torch_distribution.launch`), with
@@ -36,6 +39,7 @@ _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _LAUNCHER_PARTS = (
     "<frozen ",
     os.path.join("torch", "distributed", "elastic") + os.sep,
+    os.sep + os.path.join("keras_torch_distribution_cli", ""),  # `ktd`
 )
 _KERAS_PARTS = (os.path.join("keras", "src") + os.sep,)
 
@@ -121,3 +125,40 @@ def record_failure(error, exit_code, environ=os.environ):
     elif not path or _restarts_left(environ):
         rank = environ.get("RANK", "?")
         print(f"[ktd rank {rank}] {short}", end="", file=sys.stderr)
+
+
+def exit_code_of(stop):
+    """The exit status a `SystemExit` gives the process (Python's rule: an
+    int as it is, None 0, anything else 1 after printing it)."""
+    if stop.code is None:
+        return 0
+    return stop.code if isinstance(stop.code, int) else 1
+
+
+def record_exit(stop, environ=os.environ):
+    """Record for the launcher that this process ends by `sys.exit` with a
+    code that is not 0: the code and the line that called it (the
+    innermost frame outside the launcher, the package and the standard
+    library)."""
+    path = environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    keras_too = _keras_filters()
+    frames = traceback.extract_tb(stop.__traceback__)
+    shown = [f for f in frames if not _hidden(f.filename, keras_too)]
+    where = (shown or frames or [None])[-1]
+    data = {
+        "message": {
+            "message": f"SystemExit: {stop.code}",
+            "extraInfo": {
+                "timestamp": str(int(time.time())),
+                "ktd_time": time.time(),
+                "ktd_exitcode": exit_code_of(stop),
+                "ktd_exit_at": f"{where.filename}:{where.lineno}"
+                if where is not None
+                else None,
+            },
+        }
+    }
+    with open(path, "w") as file:
+        json.dump(data, file)

@@ -23,13 +23,22 @@ import errno
 import os
 import signal
 import socket
+import sys
 
 from keras_torch_distribution import _env
 from keras_torch_distribution._processes.failures import failure_report
+from keras_torch_distribution._processes.failures import launcher_exit_code
 from keras_torch_distribution._processes.failures import quiet_agent_logs
-from keras_torch_distribution._processes.spawn import PARENT_PID_VARIABLE
+from keras_torch_distribution._processes.record import PARENT_PID_VARIABLE
 from keras_torch_distribution._processes.spawn import handled_signals
+from keras_torch_distribution.launch._script import Refused
+from keras_torch_distribution.launch._script import check_script
 from keras_torch_distribution.launch._stuck_agent import Watch
+
+# What each rank runs: the package's `launch.__main__`, loaded without the
+# package's `__init__` (a script that never imports Keras starts as fast as
+# under torchrun; one that does gets the backend installed then).
+RANK_ENTRY = "keras_torch_distribution_cli._rank"
 
 _OWN_OPTIONS = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
 # Options that tell torchrun where the other nodes are: with any of them (or
@@ -64,29 +73,24 @@ _SIGNALS_OPTIONS = ("--signals-to-handle", "--signals_to_handle")
 _SIGNALS_VARIABLE = "PET_SIGNALS_TO_HANDLE"
 # Words torchrun accepts for --nproc-per-node besides a number.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
-
-
-class Refused(SystemExit):
-    """An argument or setting refused before any rank starts: `ktd` prints
-    `message` (one line) and exits 2, as for any usage error."""
-
-    def __init__(self, message):
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self):
-        return self.message
-
-
-def _flag_options():
-    """torchrun options that take no value (from torchrun's own parser)."""
-    from torch.distributed import run as torch_run
-
-    flags = set()
-    for action in torch_run.get_args_parser()._actions:
-        if action.option_strings and action.nargs == 0:
-            flags.update(action.option_strings)
-    return flags
+# torchrun's options that take no value (torch 2.11 to 2.15; checked against
+# its parser by unit/test_launcher.py): known here, the script is found
+# without importing torch.
+TORCHRUN_FLAGS = frozenset(
+    (
+        "-h",
+        "--help",
+        "-m",
+        "--module",
+        "--no-python",
+        "--no_python",
+        "--run-path",
+        "--run_path",
+        "--standalone",
+        "--virtual-local-rank",
+        "--virtual_local_rank",
+    )
+)
 
 
 def torchrun_arguments(argv):
@@ -100,7 +104,6 @@ def torchrun_arguments(argv):
     --signals-to-handle (or PET_SIGNALS_TO_HANDLE), SIGUSR1 is added to
     torchrun's default signals, which its agent passes on to the ranks.
     """
-    flags = _flag_options()
     arguments = []
     nnodes = "1"
     index = 0
@@ -116,7 +119,7 @@ def torchrun_arguments(argv):
                 "non-Python programs (and `import keras_torch_distribution` in "
                 "them)."
             )
-        if not sep and name not in flags:
+        if not sep and name not in TORCHRUN_FLAGS:
             if index + 1 >= len(argv):
                 raise Refused(
                     f"ktd run: option {name} needs a value, e.g. "
@@ -144,23 +147,9 @@ def torchrun_arguments(argv):
     if _SIGNALS_VARIABLE not in os.environ and not any(
         a.split("=")[0] in _SIGNALS_OPTIONS for a in arguments
     ):
-        arguments.extend(["--signals-to-handle", _signals_to_handle()])
+        arguments.extend(["--signals-to-handle", handled_signals()])
     script, script_args = argv[index], argv[index + 1 :]
-    return (
-        arguments
-        + ["-m", "keras_torch_distribution.launch", script]
-        + script_args
-    )
-
-
-def _signals_to_handle():
-    """torchrun's default --signals-to-handle with SIGUSR1 added."""
-    from torch.distributed import run as torch_run
-
-    for action in torch_run.get_args_parser()._actions:
-        if action.dest == "signals_to_handle":
-            return handled_signals(action.default)
-    return handled_signals()
+    return arguments + ["-m", RANK_ENTRY, script] + script_args
 
 
 def _check_nproc(option, value):
@@ -185,17 +174,9 @@ def _check_settings():
         record.spawn_setting(os.environ)
     except ValueError as error:
         raise Refused(f"ktd run: {error}") from None
-
-
-def _check_script(argv):
-    """Refuse a script file that is not there (each rank would fail on it)."""
-    script = argv[argv.index("keras_torch_distribution.launch") + 1]
-    if not os.path.isfile(script):
-        where = os.path.abspath(script)
-        raise Refused(
-            f"ktd run: no script {script!r} (looked for {where}): give the "
-            "path of a Python file, e.g. `ktd run -n 2 train.py`."
-        )
+    misspelled = _env.misspelled()
+    if misspelled:  # said here, once; not by the ranks
+        print(f"ktd run: {_env.misspelled_text(misspelled)}", file=sys.stderr)
 
 
 def _check_cuda(arguments):
@@ -282,6 +263,16 @@ def _watch_agent(arguments):
     return watch
 
 
+class Failed(SystemExit):
+    """Ranks failed: `ktd` prints `message` (the failure report) and exits
+    with the code the first failed rank chose (1 for an exception, N for
+    `sys.exit(N)`; 1 for a signal)."""
+
+    def __init__(self, message, code):
+        super().__init__(code)
+        self.message = message
+
+
 class Signalled(SystemExit):
     """`ktd run`'s torchrun agent got a signal it handles, passed it on to
     the ranks and stopped them: exit with 128 + the signal (as a process
@@ -292,8 +283,34 @@ class Signalled(SystemExit):
         self.message = message
 
 
+def use_torch_backend(environ=os.environ):
+    """KERAS_BACKEND=torch for the ranks; a note (one line, stderr) when
+    this shell said another backend (a JAX user's `export
+    KERAS_BACKEND=jax`): the package runs Keras on torch only."""
+    said = environ.get("KERAS_BACKEND", "").strip()
+    environ["KERAS_BACKEND"] = "torch"
+    if said and said != "torch":
+        print(backend_note(said), file=sys.stderr)
+
+
+def backend_note(said, what="the ranks"):
+    """The note for a shell whose KERAS_BACKEND is `said`, not torch."""
+    return (
+        f"ktd: note: KERAS_BACKEND={said} in this shell; ktd runs {what} with "
+        "Keras on torch (KERAS_BACKEND=torch), the backend "
+        "keras_torch_distribution distributes."
+    )
+
+
 def run(argv):
-    os.environ.setdefault("KERAS_BACKEND", "torch")
+    """`ktd run ARGV`: check the arguments, the script and the settings
+    (before torch is imported: a refusal takes well under a second), then
+    start torchrun. Raises `Refused` or `Signalled`, or SystemExit with the
+    failure report when ranks failed."""
+    arguments = torchrun_arguments(argv)
+    check_script(arguments[arguments.index(RANK_ENTRY) + 1])
+    _check_settings()
+    use_torch_backend()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from torch.distributed import DistNetworkError
     from torch.distributed import run as torch_run
@@ -302,10 +319,7 @@ def run(argv):
         ChildFailedError,
     )
 
-    arguments = torchrun_arguments(argv)
-    _check_settings()
     _check_cuda(arguments)
-    _check_script(arguments)
     port = _hosted_port(arguments)
     if port is not None:
         _check_port_free(port)
@@ -322,7 +336,10 @@ def run(argv):
         # error once, and which rank failed first, without the launcher's
         # own traceback (KTD_FULL_TRACEBACKS=1: torchrun's table as well).
         report = failure_report(error.failures, full_tracebacks=full)
-        raise SystemExit(f"{error}\n{report}" if full else report) from None
+        raise Failed(
+            f"{error}\n{report}" if full else report,
+            launcher_exit_code(error.failures),
+        ) from None
     except SignalException as error:
         # torchrun's agent got a signal it handles (SIGTERM, SIGUSR1, ...),
         # passed it on to the ranks, stopped them and does not restart them.

@@ -22,6 +22,7 @@ import sys
 
 from keras_torch_distribution._log import human_bytes
 from keras_torch_distribution._log import rank_ranges
+from keras_torch_distribution._variables import left_whole
 
 
 def format_text(plan):
@@ -99,8 +100,8 @@ def format_text(plan):
     for entry in plan["left_whole"]:
         lines.append(
             f"WHOLE: {entry['path']} is whole on every rank "
-            f"({human_bytes(entry['bytes'])}); layout_map[{entry['key']!r}] = "
-            f"{tuple(entry['axes'])} would shard it"
+            f"({human_bytes(entry['bytes'])}); "
+            f"{left_whole.advice(entry['key'], entry['axes'])} would shard it"
         )
     lines.append(
         f"planned in {plan['wall_seconds']} s, peak RSS "

@@ -17,6 +17,7 @@ import sys
 import time
 
 from keras_torch_distribution import _keras
+from keras_torch_distribution._backend import distribution_lib
 from keras_torch_distribution._fsdp import gathering
 from keras_torch_distribution._log import say_grouped
 from keras_torch_distribution._variables import left_whole
@@ -99,10 +100,6 @@ def plan(world, script, args=(), step="auto", progress=None):
     return result
 
 
-# Keras' DeviceMesh, for a shape whose product is not the devices' number.
-_MESH_MISMATCH = "Shape does not match the number of devices"
-
-
 def len_devices():
     """The simulated world's size (while planning)."""
     import torch.distributed as dist
@@ -120,16 +117,14 @@ def _run_script(script, args, record):
         pass
     except _peers.NeedsPeers as error:
         raise PlanError(str(error)) from None
-    except ValueError as error:
-        if _MESH_MISMATCH in str(error):
-            raise PlanError(
-                f"ktd plan: {script!r} builds a mesh for another number of "
-                f"devices than the --world {len_devices()} planned for "
-                f"(Keras: {str(error).strip()}). Give --world the mesh's "
-                "number of devices, or build the mesh from "
-                "keras.distribution.list_devices(), whose length is --world."
-            ) from None
-        raise
+    except distribution_lib.MeshSizeError as error:
+        raise PlanError(
+            f"ktd plan: {script!r} builds a mesh for another number of "
+            f"devices than the --world {len_devices()} planned for "
+            f"({str(error).strip()}). Give --world the mesh's number of "
+            "devices, or build the mesh from "
+            "keras.distribution.list_devices(), whose length is --world."
+        ) from None
     except SystemExit as exit_:
         if record.model is None:
             raise PlanError(
