@@ -25,12 +25,15 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _fit(prefix):
+def _fit(prefix, outputs_only=False):
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((2,), ["model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[f"{prefix}up/kernel"] = (None, "model")
-    layout_map[f"{prefix}down/kernel"] = ("model", None)
+    if outputs_only:  # as a sequence axis's keys: activations only
+        layout_map[f"{prefix}up/output"] = ("model", None)
+    else:
+        layout_map[f"{prefix}up/kernel"] = (None, "model")
+        layout_map[f"{prefix}down/kernel"] = ("model", None)
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(
             layout_map=layout_map, batch_dim_name="model"
@@ -81,3 +84,11 @@ def test_a_map_that_shards_says_nothing_of_the_kind(pool2):
     (said, kernel), _ = pool2.run(_fit, ".*")
     assert said == []
     assert kernel in ("Parameter", "DTensor"), kernel
+
+
+def test_a_map_of_output_keys_only_says_nothing_of_the_kind(pool2):
+    """Output keys lay out activations (context parallelism's map has no
+    other): no variable was meant to be sharded."""
+    (said, kernel), _ = pool2.run(_fit, ".*", True)
+    assert said == []
+    assert kernel != "DTensor"

@@ -17,11 +17,11 @@ batch axis on a tie), i.e. FSDP when that axis is the batch axis (stored
 built by then), once per variable and process; `_report.report` and
 `ktd report CHECKPOINT` mark such variables too.
 
-When the map shards none of them (`shards_nothing`: keys written for
-another model, or `up/kernel` where the path is `sequential/up/kernel`:
-keys must match a whole path), every variable is whole, and one warning
-names the keys that matched nothing, a few real paths and the `.*` prefix
-that matches any path's start.
+When the map shards none of them (`shards_nothing`; its output keys
+aside: keys written for another model, or `up/kernel` where the path is
+`sequential/up/kernel`: keys must match a whole path), every variable is
+whole, and one warning names the keys that matched nothing, a few real
+paths and the `.*` prefix that matches any path's start.
 """
 
 import math
@@ -146,7 +146,13 @@ def shards_nothing(model_variables, distribution):
     `model_variables` on a mesh that could shard them: (its keys that match
     no variable's path, the largest variables' paths, a key suggested for
     the first unmatched key or None); else None. No collective."""
-    keys = _keras.layout_map_keys(distribution)
+    # Keys of output layouts (`<layer path>/output`: a sequence axis's
+    # keys, say) lay out activations, never a variable.
+    keys = [
+        k
+        for k in _keras.layout_map_keys(distribution)
+        if not k.endswith("/output")
+    ]
     if not keys or max(_mesh_axes(distribution).values(), default=1) <= 1:
         return None
     handled = [
