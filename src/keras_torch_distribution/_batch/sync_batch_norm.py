@@ -50,9 +50,7 @@ def moments(original, layer, inputs, mask):
     # 1.0 when each scaled its loss to its share of the global batch's
     # before backward (`_training.reductions`): the gradients are then in
     # one unit already.
-    scale = (
-        1.0 if replicas.batch_weight.loss_share else replicas.batch_scale()
-    )
+    scale = 1.0 if replicas.batch_weight.loss_share else replicas.batch_scale()
     if mask is None:
         return _moments(inputs, axes, group.group, scale)
     return _masked_moments(inputs, mask, axes, group.group, scale)
