@@ -9,6 +9,7 @@ Functions that run on the ranks import keras / torch inside.
 """
 
 import json
+import logging
 import os
 import random
 import re
@@ -32,6 +33,18 @@ LAUNCHER_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+
+
+class LogRecords(logging.Handler):
+    """The package logger's messages on this rank, while attached (rank 0
+    only speaks): `messages`, formatted."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def data(rows=64, features=6, outputs=3, seed=0):

@@ -13,16 +13,7 @@ import logging
 import keras
 import numpy as np
 
-
-class _Records(logging.Handler):
-    """The package logger's messages on this rank (rank 0 only speaks)."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
+from helpers import LogRecords
 
 
 def _fit(prefix, outputs_only=False):
@@ -48,7 +39,7 @@ def _fit(prefix, outputs_only=False):
     )
     model.compile("adam", "mse")
     x = np.ones((16, 8), "float32")
-    records = _Records()
+    records = LogRecords()
     logger = logging.getLogger("keras_torch_distribution")
     logger.addHandler(records)
     try:

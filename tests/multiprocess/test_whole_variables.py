@@ -16,6 +16,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from helpers import LogRecords  # noqa: E402
+
 keras_hub = pytest.importorskip("keras_hub")
 
 VOCAB, SEQ, ROWS = 64, 8, 8
@@ -32,17 +34,6 @@ WARNING = (
     "per rank, add layout_map['token_embedding/reverse_embeddings'] = "
     "(None, 'batch') before building the model."
 ).format(share=100 * REVERSE_BYTES / MODEL_BYTES)
-
-
-class _Records(logging.Handler):
-    """The package logger's messages on this rank (rank 0 only speaks)."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _fit_llama(shard_reverse, checkpoint_dir=None):
@@ -75,7 +66,7 @@ def _fit_llama(shard_reverse, checkpoint_dir=None):
     )
     ids = np.random.default_rng(0).integers(1, VOCAB, (ROWS, SEQ + 1))
     x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((ROWS, SEQ), bool)}
-    records = _Records()
+    records = LogRecords()
     logger = logging.getLogger("keras_torch_distribution")
     logger.addHandler(records)
     try:
