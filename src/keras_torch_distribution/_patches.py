@@ -72,10 +72,8 @@ def _quantized_calls(k):
             Patch(k.Float8Strategy, "call", float8.strategy_call, wrap=True)
         ]
     return [
-        Patch(k.Dense, "_float8_call", float8.dense_call, wrap=True),
-        Patch(
-            k.EinsumDense, "_float8_call", float8.einsum_dense_call, wrap=True
-        ),
+        Patch(k.Dense, "_float8_call", float8.layer_call, wrap=True),
+        Patch(k.EinsumDense, "_float8_call", float8.layer_call, wrap=True),
         Patch(k.Dense, "_int8_call", quantized.dense_int8_call, wrap=True),
         Patch(
             k.EinsumDense,

@@ -32,6 +32,7 @@ share of the global batch's loss, the output gradient each replica
 quantizes is one process's.
 """
 
+import functools
 import math
 
 import keras
@@ -49,36 +50,27 @@ from keras_torch_distribution._distributed import tensors
 _ROUNDED_AFTER_SUM = "_ktd_gradient_rounded_to"
 
 
-def dense_call(original, layer, inputs, training=None):
-    """Keras `Dense._float8_call`: Keras' float8 Dense, its matrix product
-    as `torch._scaled_mm` where it runs, its bias gradient rounded after
-    the replicas' sum (see the module docstring)."""
+def layer_call(original, layer, inputs, training=None):
+    """Keras `Dense._float8_call` and `EinsumDense._float8_call`: Keras'
+    float8 layer, its matrix product (or einsum) as `torch._scaled_mm`
+    where it runs, its bias gradient rounded after the replicas' sum (see
+    the module docstring); Keras' own with LoRA."""
     if layer.lora_enabled:
         return original(layer, inputs, training=training)
-    inputs = keras.ops.convert_to_tensor(inputs)
-    return _float8_call(layer, inputs, training, None)
-
-
-def einsum_dense_call(original, layer, inputs, training=None):
-    """Keras `EinsumDense._float8_call`: as `dense_call`, for its einsum."""
-    if layer.lora_enabled:
-        return original(layer, inputs, training=training)
-    inputs = keras.ops.convert_to_tensor(inputs)
-    return _float8_call(layer, inputs, training, layer.equation)
-
-
-def strategy_call(original, strategy, layer, inputs, training=None):
-    """Keras 3.16's `Float8Strategy.call`: for a Dense or EinsumDense
-    layer, as `dense_call` / `einsum_dense_call` (3.16 moved Keras' float8
-    call, unchanged, from the layers to the mode's strategy); Keras' own
-    for any other layer, and with LoRA (which 3.16 refuses)."""
-    if layer.lora_enabled or not isinstance(
-        layer, (_keras.Dense, _keras.EinsumDense)
-    ):
-        return original(strategy, layer, inputs, training=training)
     equation = layer.equation if isinstance(layer, _keras.EinsumDense) else None
     inputs = keras.ops.convert_to_tensor(inputs)
     return _float8_call(layer, inputs, training, equation)
+
+
+def strategy_call(original, strategy, layer, inputs, training=None):
+    """Keras 3.16's `Float8Strategy.call` (3.16 moved Keras' float8 call,
+    unchanged, from the layers to the mode's strategy): `layer_call` for a
+    Dense or EinsumDense layer, Keras' own for any other."""
+    if not isinstance(layer, (_keras.Dense, _keras.EinsumDense)):
+        return original(strategy, layer, inputs, training=training)
+    return layer_call(
+        functools.partial(original, strategy), layer, inputs, training
+    )
 
 
 def _float8_call(layer, inputs, training, equation):
